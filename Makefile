@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make run` and `make test`. Each creates .venv if needed.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: a bare `torch` can pull a multi-GB CUDA build on these machines.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev,deepspeed]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
+		--master-port 29517 examples/train_loop.py
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/python -m pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+
+bench: $(STAMP)
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,438 @@
+"""The façade: holds the pieces and calls them in the canonical order; owns no backend logic.
+
+The step, as the user's loop drives it (each call a no-op where it has nothing to do):
+
+    with acc.accumulate():          # micro-step: no gradient sync unless it ends the window
+        acc.backward(loss)          # loss x scale / K (or / items hint) -> strategy.backward
+        acc.clip_grad_norm_(1.0)    # boundary: finalize (unscale + normalise + inf check, one
+                                    #   pass), agree on overflow, clip the true gradients
+        optimizer.step()            # boundary: step or skip, update the loss scale
+        scheduler.step()            # only if the optimizer really stepped
+        optimizer.zero_grad()       # only once the window's gradients have been used
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
+from accumix.data import AcceleratedDataLoader
+from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
+from accumix.errors import AccumixError, ConfigError
+from accumix.logging_setup import configure_logging
+from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
+from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
+from accumix.strategies import Strategy, resolve_strategy
+from accumix.strategies.base import params_of
+
+log = logging.getLogger("accumix")
+
+_SCHEDULER_TYPES: tuple[type, ...] = (
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+)
+
+
+class _MicroStep:
+    """The context of ``acc.accumulate()``; a class rather than a generator for speed."""
+
+    __slots__ = ("acc", "models", "stack")
+
+    def __init__(self, acc: Accelerator, models: tuple[nn.Module, ...]) -> None:
+        self.acc, self.models, self.stack = acc, models, []
+
+    def __enter__(self) -> None:
+        acc = self.acc
+        acc._begin_micro_step()
+        if not acc._window.is_boundary:
+            for model in self.models or acc._models:
+                ctx = acc.strategy.no_sync(model)
+                ctx.__enter__()
+                self.stack.append(ctx)
+
+    def __exit__(self, *exc: Any) -> None:
+        while self.stack:
+            self.stack.pop().__exit__(*exc)
+        self.acc._in_micro_step = False
+        self.acc._window.end()
+
+
+class Accelerator:
+    """Runs one plain PyTorch loop on a CPU, a GPU, many GPUs or many machines.
+
+    Args:
+        strategy: ``"auto"``, ``"single"``, ``"ddp"`` (and the sharded words once installed), or
+            a ``Strategy`` object.
+        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"bf16-true"``, ``"auto"``,
+            or a ``Policy``.
+        grad_accum_steps: micro-steps per optimizer step (int >= 1); None derives it from the
+            two batch sizes, else 1.
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        micro_batch_size: samples per forward on one rank (default: the set-up loader's).
+        loss_scale: a ``DynamicLossScale`` for fp16; None uses its defaults.
+        seed: seeds python, numpy and torch identically on every rank.
+        timeout: seconds a collective may wait before every rank stops with an error.
+
+    Raises:
+        ConfigError: an unknown word, an impossible combination or batch sizes that don't divide.
+    """
+
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        precision: str | Policy = "auto",
+        grad_accum_steps: int | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        loss_scale: DynamicLossScale | None = None,
+        seed: int | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ConfigError(f"timeout={timeout!r} is invalid; use seconds > 0")
+        self.launch = detect_launch_env()
+        configure_logging(self.launch.rank)
+        self.device = pick_device(self.launch)
+        self._owns_process_group = init_process_group(self.launch, self.device, timeout)
+        self.policy = resolve_policy(precision, self.device)
+        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+            raise ConfigError(
+                f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None"
+            )
+        if self.policy.needs_loss_scaling:
+            scaler: DynamicLossScale | NoLossScale = loss_scale or DynamicLossScale()
+        elif loss_scale is not None and precision != "auto":
+            raise ConfigError(
+                f"loss_scale is only used by precision='fp16-mixed', not {self.policy.name!r}"
+            )
+        else:
+            scaler = NoLossScale()
+        self.strategy = resolve_strategy(strategy, self.launch)
+        self.strategy.connect(
+            launch=self.launch, device=self.device, policy=self.policy, scaler=scaler
+        )
+        self._batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
+        steps = self._derive_steps(micro_batch_size)
+        self._window = AccumulationWindow(steps or 1)
+        self._steps_known = steps is not None
+        self.seed = seed
+        if seed is not None:
+            seed_everything(seed)
+        self._models: list[nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._set_up: set[int] = set()
+        self._in_micro_step = False
+        self._finalized = False
+        self._skip: bool | None = None
+        self._found_inf: torch.Tensor | None = None
+        self.optimizer_steps = 0
+        self.step_was_skipped = False
+        self._check_same_config()
+
+    # -- read-only state ---------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.launch.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.launch.rank == 0
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self._window.grad_accum_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the current (or last) micro-step ends the accumulation window."""
+        return self._window.is_boundary
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale, or None when no loss scaling is in use."""
+        return self.strategy.scaler.scale if self.strategy.scaler.enabled else None
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup(self, *objects: Any) -> Any:
+        """Prepares modules, optimizers, LR schedulers and DataLoaders, in any order.
+
+        Args:
+            objects: the things to prepare; an optimizer is set up in the same call as its
+                model (or after it); a scheduler with (or after) its optimizer.
+
+        Returns:
+            The prepared objects in the same order; one object in, that object out.
+
+        Raises:
+            ConfigError: an object set up twice, of an unknown type, or without its partner.
+        """
+        for obj in objects:
+            if id(obj) in self._set_up:
+                raise ConfigError(f"{type(obj).__name__} was already set up; set it up once")
+            if not isinstance(obj, (nn.Module, Optimizer, DataLoader, *_SCHEDULER_TYPES)):
+                raise ConfigError(
+                    f"cannot set up a {type(obj).__name__}; pass nn.Module, torch.optim "
+                    "optimizers, LR schedulers and DataLoaders"
+                )
+        result: dict[int, Any] = {}
+        models = [o for o in objects if isinstance(o, nn.Module)]
+        optimizers = [o for o in objects if isinstance(o, Optimizer)]
+        for model in models:
+            owned = [o for o in optimizers if _owns(model, o)]
+            wrapped, opts = self.strategy.setup(model, owned)
+            self._models.append(wrapped)
+            result[id(model)] = wrapped
+            for raw, opt in zip(owned, opts, strict=True):
+                result[id(raw)] = self._wrap_optimizer(opt)
+        for opt in optimizers:
+            if id(opt) not in result:
+                if not any(_owns(self.unwrap(m), opt) for m in self._models):
+                    raise ConfigError(
+                        "an optimizer's parameters belong to no set-up model; "
+                        "call acc.setup(model, optimizer) with its model"
+                    )
+                result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt))
+        for obj in objects:
+            if isinstance(obj, _SCHEDULER_TYPES):
+                result[id(obj)] = self._wrap_scheduler(obj)
+            elif isinstance(obj, DataLoader):
+                result[id(obj)] = self._wrap_loader(obj)
+        self._set_up.update(id(o) for o in objects)
+        out = tuple(result[id(o)] for o in objects)
+        return out[0] if len(out) == 1 else out
+
+    def _wrap_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(optimizer, self)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _wrap_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        owner = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), None)
+        if owner is None:
+            raise ConfigError(
+                f"{type(scheduler).__name__}'s optimizer was not set up; "
+                "call acc.setup(model, optimizer, scheduler)"
+            )
+        return AcceleratedScheduler(scheduler, owner, self)
+
+    def _wrap_loader(self, loader: DataLoader) -> AcceleratedDataLoader:
+        _, global_batch, micro = self._batch_sizes
+        if micro is not None and loader.batch_size not in (None, micro):
+            raise ConfigError(
+                f"DataLoader batch_size={loader.batch_size} differs from micro_batch_size="
+                f"{micro}; make them equal"
+            )
+        if not self._steps_known and global_batch is not None and loader.batch_size:
+            self._window.grad_accum_steps = self._derive_steps(loader.batch_size) or 1
+            self._steps_known = True
+        return AcceleratedDataLoader(
+            loader,
+            device=self.device,
+            rank=self.launch.rank,
+            world_size=self.strategy.dp_world_size,
+            seed=self.seed or 0,
+            on_batch=self._on_batch,
+        )
+
+    def _derive_steps(self, micro_batch_size: int | None) -> int | None:
+        steps, global_batch, _ = self._batch_sizes
+        return derive_grad_accum_steps(
+            grad_accum_steps=steps,
+            global_batch_size=global_batch,
+            micro_batch_size=micro_batch_size,
+            dp_world_size=self.strategy.dp_world_size,
+        )
+
+    def _on_batch(self, is_last: bool) -> None:
+        self._window.end_of_data = is_last
+
+    # -- the step ------------------------------------------------------------------------------
+    def accumulate(self, *models: nn.Module) -> _MicroStep:
+        """One micro-step. Off the boundary, gradient communication is off for ``models``
+        (default: every set-up model); the last micro-step of a window (or of the epoch's data)
+        is the boundary, where ``sync_gradients`` is True."""
+        return _MicroStep(self, models)
+
+    def _begin_micro_step(self) -> None:
+        if self._in_micro_step:
+            raise AccumixError("acc.accumulate() was entered twice; micro-steps do not nest")
+        if not self._steps_known:
+            raise ConfigError(
+                "global_batch_size was given without micro_batch_size and no DataLoader was "
+                "set up to take it from; pass micro_batch_size="
+            )
+        self._in_micro_step = True
+        if self._window.micro_step == 0:
+            self._finalized, self._skip, self._found_inf = False, None, None
+        self._window.begin()
+
+    def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None
+                 ) -> None:
+        """Backward of one micro-step's loss.
+
+        Args:
+            loss: the micro-batch's mean loss; or, with ``num_items``, its summed loss.
+            num_items: the items (tokens, samples) ``loss`` sums over. Gradients then equal the
+                mean over all items of the window on all ranks, however they were distributed.
+
+        Raises:
+            AccumixError: called outside ``acc.accumulate()``.
+        """
+        if not self._in_micro_step:
+            raise AccumixError(
+                "acc.backward() must be called inside `with acc.accumulate():`"
+            )
+        multiplier = self._window.loss_multiplier(num_items) * self.strategy.scaler.scale
+        self.strategy.backward(loss * multiplier if multiplier != 1.0 else loss,
+                               self._models[0] if self._models else None)
+        for opt in self._optimizers:
+            opt.pending = True
+
+    def _finalize(self) -> None:
+        """Once per window: unscale + normalise + non-finite check in one pass, agreed."""
+        if self._finalized:
+            return
+        self._finalized = True
+        scaler = self.strategy.scaler
+        factor = self._window.boundary_factor(
+            loss_scale=scaler.scale,
+            grad_divisor=self.strategy.grad_divisor,
+            all_reduce=self.strategy.all_reduce,
+            dynamic_scale=scaler.enabled,
+            device=self.device,
+        )
+        self._found_inf = self.strategy.finalize_gradients(
+            list(params_of(o.optimizer for o in self._optimizers)), factor
+        )
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, parameters: Any = None
+    ) -> torch.Tensor | None:
+        """Clips the window's true gradients (unscaled and normalised) at the boundary.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: the p of the p-norm.
+            parameters: the parameters to clip (default: every set-up optimizer's).
+
+        Returns:
+            The total norm before clipping over all ranks, or None off the boundary.
+        """
+        if not isinstance(max_norm, (int, float)) or max_norm <= 0:
+            raise ConfigError(f"clip_grad_norm_(max_norm={max_norm!r}) needs a number > 0")
+        if not self.sync_gradients:
+            return None
+        self._finalize()
+        params = list(parameters) if parameters is not None else list(
+            params_of(o.optimizer for o in self._optimizers)
+        )
+        return self.strategy.clip_grad_norm_(params, float(max_norm), float(norm_type))
+
+    def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> None:
+        if not self.sync_gradients:
+            return
+        if self._skip is None:  # the first optimizer of this boundary decides for all
+            self._finalize()
+            found_inf = self._found_inf
+            # fp16 only: one host sync to read the agreed overflow flag (GradScaler does too).
+            self._skip = found_inf is not None and bool(found_inf.item())
+            self.strategy.scaler.update(self._skip)
+            self.step_was_skipped = self._skip
+            self.optimizer_steps += not self._skip
+        stepped = self.strategy.optimizer_step(optimizer.optimizer, skip=self._skip,
+                                               closure=closure)
+        optimizer.pending = False
+        if stepped:
+            optimizer.stepped_window = self._window.index
+
+    # -- collectives and helpers ---------------------------------------------------------------
+    def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """A copy of ``tensor`` reduced over all ranks (``"mean"`` or ``"sum"``)."""
+        if reduction not in ("mean", "sum"):
+            raise ConfigError(f"reduction={reduction!r} is invalid; use 'mean' or 'sum'")
+        return self.strategy.all_reduce(tensor.detach().clone(), reduction)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0 (stacked if 0-dim), rank order."""
+        parts = self.strategy.all_gather(tensor.detach())
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def barrier(self) -> None:
+        self.strategy.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside what ``setup`` returned."""
+        return self.strategy.unwrap(model)
+
+    def save_model(self, directory: str | os.PathLike[str], model: nn.Module | None = None
+                   ) -> Path:
+        """Writes the unwrapped model's full state dict as ``directory/model.safetensors``.
+
+        Collective: every rank calls it; rank 0 writes. Keys are the unwrapped model's
+        ``state_dict`` keys.
+
+        Returns:
+            The file's path.
+        """
+        if model is None:
+            if len(self._models) != 1:
+                raise ConfigError(
+                    f"save_model needs model= when {len(self._models)} models are set up"
+                )
+            model = self._models[0]
+        state = self.strategy.full_state_dict(model)
+        path = Path(directory) / "model.safetensors"
+        if self.is_main_process:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Copies: safetensors refuses tensors that share storage (tied embeddings).
+            tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+            save_file(tensors, str(path), metadata={"format": "pt"})
+        self.barrier()
+        return path
+
+    def end(self) -> None:
+        """Waits for every rank and releases the process group accumix created."""
+        self.strategy.teardown()
+        if self._owns_process_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+    def _check_same_config(self) -> None:
+        mine = (type(self.strategy).__name__, self.policy.name, self._batch_sizes,
+                type(self.strategy.scaler).__name__)
+        every = self.strategy.all_gather_object(mine)
+        if any(other != mine for other in every):
+            diff = {r: cfg for r, cfg in enumerate(every) if cfg != every[0]}
+            raise ConfigError(
+                f"ranks disagree on (strategy, precision, batch sizes, scaler): rank 0 has "
+                f"{every[0]}, others {diff}; launch every rank with the same settings"
+            )
+
+
+def _owns(model: nn.Module, optimizer: Optimizer) -> bool:
+    mine = {id(p) for p in model.parameters()}
+    return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])

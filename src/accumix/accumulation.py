@@ -1,0 +1,198 @@
+"""The accumulation window: where it ends, how big it really was, and how gradients are divided.
+
+Gradients of K micro-steps are summed by autograd; at the window's boundary they are divided by
+what the large batch would have divided by, in one fused pass with fp16 unscaling:
+
+* mean mode, ``backward(loss)``: each micro-step's loss is multiplied by ``scale / K`` before
+  backward; a window that ends early (the short last window of an epoch) is corrected by
+  ``K / k`` at the boundary, so it is divided by its true size k (Lightning #19987 divides by K).
+* item mode, ``backward(loss_sum, num_items=n)``: the boundary factor is ``W / N`` where N is the
+  item count summed over micro-steps and ranks (one scalar all-reduce) and W undoes the backend's
+  average over ranks: the full-batch mean over items, which HF Trainer got wrong until PR #34191.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from accumix.errors import ConfigError
+
+Number = int | float
+
+
+def derive_grad_accum_steps(
+    *,
+    grad_accum_steps: int | None,
+    global_batch_size: int | None,
+    micro_batch_size: int | None,
+    dp_world_size: int,
+) -> int | None:
+    """The number of micro-steps per optimizer step, from what the user gave.
+
+    Args:
+        grad_accum_steps: an explicit K, or None.
+        global_batch_size: samples per optimizer step over all data-parallel ranks, or None.
+        micro_batch_size: samples per forward on one rank, or None (then it is taken from the
+            first DataLoader set up, and this returns None until then).
+        dp_world_size: the number of data-parallel ranks.
+
+    Returns:
+        K >= 1, or None when ``micro_batch_size`` is still unknown.
+
+    Raises:
+        ConfigError: K below 1, a global batch that does not divide, or contradicting numbers.
+    """
+    for name, value in (
+        ("grad_accum_steps", grad_accum_steps),
+        ("global_batch_size", global_batch_size),
+        ("micro_batch_size", micro_batch_size),
+    ):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ConfigError(f"{name}={value!r} is invalid; use an integer >= 1")
+    if global_batch_size is None:
+        if micro_batch_size is not None and grad_accum_steps is None:
+            return 1
+        return grad_accum_steps or 1
+    if micro_batch_size is None:
+        return grad_accum_steps  # resolved when a loader brings its batch size
+    per_step = micro_batch_size * dp_world_size
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size="
+            f"{micro_batch_size} x data-parallel world size {dp_world_size} = {per_step}; "
+            f"{_what_divides(global_batch_size, micro_batch_size, dp_world_size)}"
+        )
+    derived = global_batch_size // per_step
+    if grad_accum_steps is not None and grad_accum_steps != derived:
+        raise ConfigError(
+            f"grad_accum_steps={grad_accum_steps} contradicts global_batch_size="
+            f"{global_batch_size} / (micro_batch_size={micro_batch_size} x world "
+            f"{dp_world_size}) = {derived}; give either grad_accum_steps or the batch sizes"
+        )
+    return derived
+
+
+def _what_divides(global_batch: int, micro: int, world: int) -> str:
+    if global_batch % micro:
+        divisors = [m for m in range(1, global_batch + 1) if global_batch % m == 0]
+        return f"micro batch sizes that divide it: {divisors[:12]}"
+    worlds = [w for w in range(1, global_batch // micro + 1) if (global_batch // micro) % w == 0]
+    return f"data-parallel world sizes that would divide it: {worlds[:12]}"
+
+
+class AccumulationWindow:
+    """Counts micro-steps, finds boundaries, and computes the boundary's gradient factor.
+
+    Args:
+        grad_accum_steps: K, the micro-steps of a full window.
+    """
+
+    def __init__(self, grad_accum_steps: int) -> None:
+        self.grad_accum_steps = grad_accum_steps
+        self.micro_step = 0  # micro-steps begun in the current window
+        self.index = -1  # windows begun so far, minus one
+        self.is_boundary = False
+        self.end_of_data = False  # set by a set-up loader when it yields its last batch
+        self.mode: str | None = None  # "mean" | "items", fixed per window
+        self.num_items: Number | torch.Tensor = 0
+        # Item mode under fp16: the loss is divided by the last window's mean item count per
+        # micro-step so a summed loss does not overflow fp16; undone exactly at the boundary.
+        self.items_hint = 1.0
+
+    def begin(self) -> bool:
+        """Starts a micro-step; returns whether it ends the window."""
+        if self.micro_step == 0:
+            self.index += 1
+            self.mode = None
+            self.num_items = 0
+        self.micro_step += 1
+        self.is_boundary = self.micro_step >= self.grad_accum_steps or self.end_of_data
+        return self.is_boundary
+
+    def end(self) -> None:
+        """Ends the micro-step begun last; after a boundary the next one opens a new window."""
+        if self.is_boundary:
+            self.micro_step = 0
+
+    def loss_multiplier(self, num_items: Number | torch.Tensor | None) -> float:
+        """Records one backward; returns what its loss is multiplied by before the loss scale."""
+        mode = "mean" if num_items is None else "items"
+        if self.mode is None:
+            self.mode = mode
+        elif self.mode != mode:
+            raise ConfigError(
+                "backward() mixed a mean loss and num_items= within one accumulation window; "
+                "pass num_items on every micro-step or on none"
+            )
+        if num_items is None:
+            return 1.0 / self.grad_accum_steps
+        if isinstance(num_items, torch.Tensor):
+            num_items = num_items.detach().to(torch.float64)
+        self.num_items = self.num_items + num_items
+        return 1.0 / self.items_hint
+
+    def boundary_factor(
+        self, *, loss_scale: float, grad_divisor: int, all_reduce, dynamic_scale: bool,
+        device: torch.device,
+    ) -> float | torch.Tensor:
+        """What the summed gradients are multiplied by at the boundary.
+
+        Args:
+            loss_scale: the scale the losses of this window were multiplied by.
+            grad_divisor: the number of ranks the backend averaged gradients over.
+            all_reduce: ``fn(tensor, op) -> tensor`` summing over data-parallel ranks.
+            dynamic_scale: fp16 is on (then the next window's item hint is refreshed).
+            device: where an item count that came as a number is put for the all-reduce.
+
+        Returns:
+            A float in mean mode (no device work), a 0-dim tensor in item mode.
+        """
+        if self.mode != "items":
+            return self.grad_accum_steps / (self.micro_step * loss_scale)
+        items = self.num_items
+        if grad_divisor > 1:
+            if not isinstance(items, torch.Tensor):
+                items = torch.tensor(float(items), dtype=torch.float64, device=device)
+            items = all_reduce(items.clone(), "sum")
+        hint = self.items_hint
+        if dynamic_scale:  # the host sync rides on the found_inf read that fp16 does anyway
+            self.items_hint = max(float(items) / (grad_divisor * self.micro_step), 1.0)
+        if isinstance(items, torch.Tensor):
+            # All padding gives zero gradients: any finite factor is right, inf would poison.
+            return (grad_divisor * hint / loss_scale) / items.clamp_min(1e-30)
+        return grad_divisor * hint / (loss_scale * max(items, 1e-30))
+
+
+def rescale_grads_(
+    grads: list[torch.Tensor], factor: float | torch.Tensor, check_finite: bool
+) -> torch.Tensor | None:
+    """Multiplies gradients by ``factor`` in one pass; with ``check_finite`` also finds inf/NaN.
+
+    The check uses torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` (GradScaler's
+    kernel), so unscaling, the accumulation rescale and the overflow check read each gradient
+    once.
+
+    Returns:
+        A 1-element float tensor, > 0 where a gradient was not finite; None without the check.
+    """
+    if not grads:
+        return torch.zeros(1) if check_finite else None
+    if not check_finite:
+        if isinstance(factor, torch.Tensor) or factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        return None
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device, g.dtype)].append(g)
+    device = grads[0].device
+    found_inf = torch.zeros(1, device=device)
+    for (dev, _), group in groups.items():
+        inv = (factor.reshape(1) if isinstance(factor, torch.Tensor) else torch.tensor([factor]))
+        inv = inv.to(device=dev, dtype=torch.float32)
+        found_here = torch.zeros(1, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, inv)
+        found_inf += found_here.to(device)
+    return found_inf

@@ -1,0 +1,15 @@
+"""The exceptions accumix raises for users' mistakes and unrecoverable training states."""
+
+from __future__ import annotations
+
+
+class AccumixError(RuntimeError):
+    """Base class of every error accumix raises on purpose."""
+
+
+class ConfigError(AccumixError, ValueError):
+    """A setting, a word or a combination that cannot work; the message names it and the fix."""
+
+
+class LossScaleError(AccumixError):
+    """fp16 gradients overflowed while the loss scale was already at its floor."""

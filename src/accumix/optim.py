@@ -1,0 +1,114 @@
+"""Optimizer and LR-scheduler wrappers: calls that are no-ops off the boundary.
+
+The user's loop calls ``optimizer.step()``, ``scheduler.step()`` and ``optimizer.zero_grad()``
+on every micro-step; these wrappers let only the meaningful calls through:
+
+* ``step()`` runs the Accelerator's boundary step (unscale, agree, step or skip) at a boundary
+  and does nothing elsewhere;
+* ``zero_grad()`` does nothing while this optimizer's gradients hold an unfinished window, so it
+  may be called at the top of the loop or after the step alike;
+* the scheduler advances once per real optimizer step: never on a skipped fp16 step, never K or
+  world-size times per step (accelerate #963, #1382).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from accumix.accelerator import Accelerator
+
+
+class AcceleratedOptimizer(Optimizer):
+    """The user's optimizer, stepped by the Accelerator. Shares its state and param groups."""
+
+    def __init__(self, optimizer: Optimizer, accelerator: Accelerator) -> None:
+        # Optimizer.__init__ is skipped on purpose: state and groups stay the inner optimizer's.
+        self.optimizer = optimizer
+        self._accelerator = accelerator
+        self.pending = False  # holds gradients of a window that has not reached its step
+        self.stepped_window = -1  # index of the last window whose step really ran
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """At a boundary: the Accelerator's step (unscale, overflow check, clip-aware step)."""
+        self._accelerator._optimizer_step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears gradients, unless they hold a window that has not been stepped yet."""
+        if not self.pending:
+            self._accelerator.strategy.zero_grad(self.optimizer, set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class AcceleratedScheduler:
+    """An LR scheduler that advances only when its optimizer really stepped in this window."""
+
+    def __init__(self, scheduler: Any, optimizer: AcceleratedOptimizer | None,
+                 accelerator: Accelerator) -> None:
+        self.scheduler = scheduler
+        self._optimizer = optimizer
+        self._accelerator = accelerator
+        self._stepped_window = -1
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        window = self._accelerator._window.index
+        if self._optimizer is not None and self._optimizer.stepped_window != window:
+            return  # off the boundary, or the fp16 step was skipped
+        if self._stepped_window == window:
+            return  # a second call in the same window (e.g. inside and after the context)
+        self._stepped_window = window
+        self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names not found normally: get_last_lr(), base_lrs, last_epoch, ...
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedScheduler({self.scheduler!r})"

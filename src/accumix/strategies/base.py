@@ -1,0 +1,203 @@
+"""The Strategy interface: the only place where backends differ.
+
+A strategy owns the whole step lifecycle of its backend: how a model and its optimizers are
+prepared, how a micro-step keeps gradients local, backward, the boundary's gradient pass, the
+overflow agreement, clipping, the optimizer step, state dicts and the collectives. The
+Accelerator calls these in the canonical order and never asks which backend it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from accumix.accumulation import rescale_grads_
+from accumix.env import LaunchEnv
+from accumix.errors import ConfigError
+from accumix.precision import LossScaler, NoLossScale, Policy
+from accumix.precision.autocast import autocast_forward
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Strategy:
+    """One backend behind one interface. Subclasses override what their engine does differently.
+
+    The defaults describe a replicated model on one process group: gradients equal on every rank
+    after backward (so the overflow flag needs no agreement), ``torch.nn.utils`` clipping and a
+    plain ``optimizer.step()``. The collectives use ``torch.distributed`` when a group exists and
+    are identities in a single process.
+    """
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.launch = LaunchEnv()
+        self.device = torch.device("cpu")
+        self.policy: Policy | None = None
+        self.scaler: LossScaler = NoLossScale()
+
+    def connect(
+        self, *, launch: LaunchEnv, device: torch.device, policy: Policy, scaler: LossScaler
+    ) -> None:
+        """Called once by the Accelerator, before any ``setup``."""
+        self.launch, self.device, self.policy, self.scaler = launch, device, policy, scaler
+
+    # -- world -------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks that each see different data (all of them, for the data-parallel backends)."""
+        return self.launch.world_size
+
+    @property
+    def grad_divisor(self) -> int:
+        """How many ranks the backend averages gradients over (undone for item-weighted losses)."""
+        return self.dp_world_size
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(
+        self, model: nn.Module, optimizers: list[Optimizer]
+    ) -> tuple[nn.Module, list[Optimizer]]:
+        """Moves ``model`` to the device in the policy's form and wraps it for the backend.
+
+        Args:
+            model: the user's plain module.
+            optimizers: the optimizers over its parameters, created by the user beforehand.
+
+        Returns:
+            The model to train (possibly a wrapper) and the optimizers to step.
+        """
+        return self.prepare_module(model), optimizers
+
+    def setup_late_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """An optimizer set up after its model (replicated backends need nothing)."""
+        return optimizer
+
+    def prepare_module(self, model: nn.Module) -> nn.Module:
+        """The replicated-model precision form: parameters in ``param_dtype``, autocast forward."""
+        assert self.policy is not None
+        model = model.to(device=self.device)
+        if self.policy.param_dtype != torch.float32:
+            model = model.to(dtype=self.policy.param_dtype)
+        return autocast_forward(model, self.policy, self.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside whatever wrapper ``setup`` returned."""
+        return model
+
+    # -- the step ------------------------------------------------------------------------------
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context of an off-boundary micro-step: no gradient communication."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
+        """Backward of an already multiplied (scaled, divided) loss."""
+        loss.backward()
+
+    def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds (its shards, for sharded backends)."""
+        return [p.grad for p in params if p.grad is not None]
+
+    def finalize_gradients(
+        self, params: list[nn.Parameter], factor: float | torch.Tensor
+    ) -> torch.Tensor | None:
+        """The boundary pass: multiply by ``factor`` and, under fp16, find non-finite values.
+
+        Returns:
+            The overflow flag as agreed by all ranks (a tensor), or None without a loss scaler.
+        """
+        found_inf = rescale_grads_(self.local_grads(params), factor, self.scaler.enabled)
+        return None if found_inf is None else self.reduce_found_inf(found_inf)
+
+    def reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """Makes the overflow decision the same on every rank. Replicated gradients agree
+        already; sharded backends all-reduce (fairscale PR #179's lesson)."""
+        return found_inf
+
+    def clip_grad_norm_(
+        self, params: list[nn.Parameter], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        """Clips the (unscaled, normalised) gradients; returns the total norm over all ranks."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def optimizer_step(self, optimizer: Optimizer, *, skip: bool, closure: Any = None) -> bool:
+        """Steps the optimizer unless ``skip``; returns whether it stepped."""
+        if skip:
+            return False
+        optimizer.step() if closure is None else optimizer.step(closure)
+        return True
+
+    def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- state ---------------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The unwrapped model's full state dict, complete on rank 0 (collective)."""
+        return self.unwrap(model).state_dict()
+
+    # -- collectives ---------------------------------------------------------------------------
+    @property
+    def _distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_initialized()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduces ``tensor`` in place over all ranks with ``op`` in sum|mean|max|min."""
+        if op not in (*_REDUCE_OPS, "mean"):
+            raise ConfigError(f"unknown reduce op {op!r}; use 'sum', 'mean', 'max' or 'min'")
+        if self._distributed:
+            dist.all_reduce(tensor, op=_REDUCE_OPS["sum" if op == "mean" else op])
+            if op == "mean":
+                tensor /= self.world_size
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape on each), in rank order."""
+        if not self._distributed:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor.contiguous())
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self._distributed:
+            dist.broadcast(tensor, src=src)
+        return tensor
+
+    def barrier(self) -> None:
+        if self._distributed:
+            dist.barrier()
+
+    def teardown(self) -> None:
+        """Releases what the backend holds; the process group is the Accelerator's."""
+
+
+def params_of(optimizers: Iterable[Optimizer]) -> Iterator[nn.Parameter]:
+    """Each parameter of the optimizers once, in order."""
+    seen: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p

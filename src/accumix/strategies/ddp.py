@@ -1,0 +1,62 @@
+"""DistributedDataParallel: the model replicated, gradients all-reduced in buckets."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from accumix.strategies.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    """``torch.nn.parallel.DistributedDataParallel`` over all ranks.
+
+    Off-boundary micro-steps run under ``DDP.no_sync()``, so a window of K micro-steps costs one
+    all-reduce of the gradients. On one process the model is not wrapped (same maths, no DDP).
+
+    Args:
+        find_unused_parameters: DDP's flag, for models whose forward skips parameters.
+        static_graph: DDP's flag, for graphs that do not change between iterations.
+        bucket_cap_mb: DDP's bucket size; None keeps torch's default.
+        gradient_as_bucket_view: DDP's flag: gradients alias the buckets (saves a copy).
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        super().__init__()
+        self.ddp_kwargs: dict[str, Any] = {
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+        }
+        if bucket_cap_mb is not None:
+            self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+
+    def setup(
+        self, model: nn.Module, optimizers: list[Optimizer]
+    ) -> tuple[nn.Module, list[Optimizer]]:
+        model = self.prepare_module(model)
+        if self.world_size > 1:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        return model, optimizers
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
