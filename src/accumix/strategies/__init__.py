@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from accumix.strategies.base import Strategy
 from accumix.strategies.ddp import DDPStrategy
-from accumix.strategies.registry import STRATEGY_WORDS, register_strategy, resolve_strategy
+from accumix.strategies.registry import STRATEGY_WORDS, resolve_strategy, strategy_class
 from accumix.strategies.single import SingleDeviceStrategy
 
 __all__ = [
@@ -12,6 +12,6 @@ __all__ = [
     "DDPStrategy",
     "SingleDeviceStrategy",
     "Strategy",
-    "register_strategy",
     "resolve_strategy",
+    "strategy_class",
 ]

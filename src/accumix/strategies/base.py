@@ -149,6 +149,24 @@ class Strategy:
         """The unwrapped model's full state dict, complete on rank 0 (collective)."""
         return self.unwrap(model).state_dict()
 
+    def save_checkpoint(
+        self, directory: str, models: list[nn.Module], optimizers: list[Optimizer]
+    ) -> None:
+        """Writes the models' and optimizers' state into ``directory`` (collective).
+
+        The default uses ``torch.distributed.checkpoint`` on ``get_state_dict`` (sharded where
+        the backend shards, so it reshards on load). Backends whose state it cannot read
+        (ZeroRedundancyOptimizer, DeepSpeed's engine) override both checkpoint methods.
+        """
+        raise NotImplementedError("checkpointing lands with accumix.checkpoint")
+
+    def load_checkpoint(
+        self, directory: str, models: list[nn.Module], optimizers: list[Optimizer]
+    ) -> None:
+        """Reads what ``save_checkpoint`` wrote into the set-up models and optimizers, in place
+        (collective); the world size may differ from the saving run's."""
+        raise NotImplementedError("checkpointing lands with accumix.checkpoint")
+
     # -- collectives ---------------------------------------------------------------------------
     @property
     def _distributed(self) -> bool:
