@@ -1,0 +1,58 @@
+"""Reading the launcher's variables: torchrun, SLURM, Open MPI / PMI."""
+
+from __future__ import annotations
+
+import pytest
+
+from accumix.env import detect_launch_env, first_host
+
+
+def test_no_launcher() -> None:
+    env = detect_launch_env({})
+    assert (env.rank, env.world_size, env.launcher, env.distributed) == (0, 1, "none", False)
+
+
+def test_torchrun() -> None:
+    env = detect_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3",
+                             "MASTER_PORT": "1234"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 8, 1, 2)
+    assert (env.master_addr, env.master_port, env.launcher) == ("10.1.2.3", 1234, "torchrun")
+
+
+def test_slurm_srun() -> None:
+    env = detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                             "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "123456",
+                             "SLURM_NTASKS_PER_NODE": "4",
+                             "SLURM_JOB_NODELIST": "gpu[07-08,11]"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert (env.master_addr, env.master_port, env.launcher) == ("gpu07", 13456, "slurm")
+
+
+def test_slurm_batch_shell_is_not_a_launch() -> None:
+    assert detect_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}).launcher == "none"
+
+
+def test_torchrun_inside_slurm_wins() -> None:
+    env = detect_launch_env({"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "0",
+                             "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"})
+    assert env.launcher == "torchrun" and env.world_size == 2
+
+
+@pytest.mark.parametrize("variables,expected", [
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, (2, 4, 0, 2)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "3"}, (1, 3, 0, 3)),
+])
+def test_mpi(variables, expected) -> None:
+    env = detect_launch_env(variables)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == expected
+    assert env.launcher == "mpi"
+
+
+@pytest.mark.parametrize("nodelist,host", [
+    ("node1", "node1"), ("node1,node2", "node1"), ("gpu[03-05,09],cpu1", "gpu03"),
+    ("a-b[10,12]", "a-b10"),
+])
+def test_first_host(nodelist, host) -> None:
+    assert first_host(nodelist) == host
