@@ -90,7 +90,7 @@ def accumix_params(model: nn.Module, data: TensorDataset, *, micro_batch: int, s
                     acc.backward(loss_sum / n)
                 elif items:
                     loss_sum, n = item_loss(model, batch)
-                    acc.backward(loss_sum, num_items=n)
+                    acc.backward(loss_sum, num_items=int(n.item()) if items == "int" else n)
                 else:
                     acc.backward(mean_loss(model, batch))
                 if clip is not None:

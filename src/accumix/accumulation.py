@@ -154,9 +154,11 @@ class AccumulationWindow:
             return self.grad_accum_steps / (self.micro_step * loss_scale)
         items = self.num_items
         if grad_divisor > 1:
-            if not isinstance(items, torch.Tensor):
+            if isinstance(items, torch.Tensor):
+                items = items.to(device=device, copy=True)
+            else:
                 items = torch.tensor(float(items), dtype=torch.float64, device=device)
-            items = all_reduce(items.clone(), "sum")
+            items = all_reduce(items, "sum")
         hint = self.items_hint
         if dynamic_scale:  # the host sync rides on the found_inf read that fp16 does anyway
             self.items_hint = max(float(items) / (grad_divisor * self.micro_step), 1.0)

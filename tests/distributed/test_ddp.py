@@ -35,6 +35,9 @@ def _equivalence_checks() -> dict[str, float]:
     got, acc = w.accumix_params(seq_model, seq, micro_batch=3, steps=4, items=True,
                                 strategy="ddp", sched=True)
     out["items"] = w.max_diff(ref, got)
+    got, _ = w.accumix_params(seq_model, seq, micro_batch=3, steps=4, items="int",
+                              strategy="ddp", sched=True)
+    out["items_int"] = w.max_diff(ref, got)
     biased, _ = w.accumix_params(seq_model, seq, micro_batch=3, steps=4, items="per-batch-mean",
                                  strategy="ddp")
     out["biased"] = w.max_diff(ref, biased)
@@ -123,7 +126,7 @@ def test_ddp_two_ranks() -> None:
         assert eq["mean"] < TOL, (rank, eq)
         assert eq["mean_steps"] == 2
         assert eq["short"] < TOL and eq["short_steps"] == 6, (rank, eq)
-        assert eq["items"] < TOL, (rank, eq)
+        assert eq["items"] < TOL and eq["items_int"] < TOL, (rank, eq)
         assert eq["biased"] > 1e-3, (rank, eq)
         assert eq["norm"] < 1e-5, (rank, eq)
         # 64 samples / 2 ranks / micro 2 = 16 micro-batches: 16 steps at K=1, 4 at K=4;
