@@ -21,11 +21,11 @@ run: $(STAMP)
 		--master-port 29517 examples/train_loop.py
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff check .
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
