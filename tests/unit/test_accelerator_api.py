@@ -111,6 +111,8 @@ def test_bf16_true_casts_parameters() -> None:
     acc = ax.Accelerator(precision="bf16-true")
     model = acc.setup(w.make_model())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    x, y = w.regression_data(4).tensors  # float32 inputs are cast; the output is float32
+    assert model(x).dtype == torch.float32
 
 
 def test_save_model_keys_and_values(tmp_path) -> None:

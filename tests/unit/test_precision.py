@@ -90,3 +90,5 @@ def test_cast_floating_nested() -> None:
     out = cast_floating({"a": (h, [h]), "b": torch.ones(2, dtype=torch.long)}, torch.float32)
     assert out["a"][0].dtype == torch.float32 and out["a"][1][0].dtype == torch.float32
     assert out["b"].dtype == torch.long
+    d = torch.ones(2, dtype=torch.float64)
+    assert cast_floating([d, h], torch.float32, only=(torch.bfloat16,))[0].dtype == torch.float64

@@ -70,7 +70,6 @@ _POLICIES = {
         param_dtype=torch.bfloat16,
         compute_dtype=torch.bfloat16,
         reduce_dtype=torch.bfloat16,
-        output_dtype=None,
     ),
 }
 
