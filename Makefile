@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The default recipe on every local device (2 CPU processes on a 2-core machine): a small GPT
+# on the stdlib's source, progress bar, runs/gpt-stdlib/ (metrics, checkpoints, plot), a sample.
 run: $(STAMP)
-	$(BIN)/python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
-		--master-port 29517 examples/train_loop.py
+	$(BIN)/accumix train
 
 test: $(STAMP)
 	$(BIN)/ruff check .

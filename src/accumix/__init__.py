@@ -7,6 +7,9 @@ decisions agree across ranks, and resume is exact.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from accumix.accelerator import Accelerator
 from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, NoLossScale, Policy
@@ -14,16 +17,41 @@ from accumix.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 __version__ = "0.1.0"
 
+# Sharded strategies load torch's FSDP / ZeRO machinery (about a second): imported on first use.
+_LAZY = {
+    "DeepSpeedStrategy": "accumix.strategies.deepspeed",  # imports deepspeed only when built
+    "FSDPStrategy": "accumix.strategies.fsdp",
+    "ZeRO1Strategy": "accumix.strategies.zero1",
+}
+# The Trainer layer (tqdm, loggers): imported on first use too.
+_TRAINER = (
+    "CSVLogger", "Callback", "EarlyStopping", "FitResult", "GradientAccumulationScheduler",
+    "JSONLLogger", "LRMonitor", "LossGuard", "MetricLogger", "ProgressBar", "StepMetrics",
+    "StragglerMonitor", "TensorBoardLogger", "ThroughputMonitor", "Trainer", "WarmupDecay",
+    "load_config", "scale_lr", "warmup_schedule",
+)
+_LAZY.update(dict.fromkeys(_TRAINER, "accumix.trainer"))
+
 __all__ = [
     "AccumixError",
     "Accelerator",
     "ConfigError",
     "DDPStrategy",
+    "DeepSpeedStrategy",
     "DynamicLossScale",
+    "FSDPStrategy",
     "LossScaleError",
     "NoLossScale",
     "Policy",
     "SingleDeviceStrategy",
     "Strategy",
+    "ZeRO1Strategy",
     "__version__",
+    *_TRAINER,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'accumix' has no attribute {name!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from accumix import checkpoint, fault
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.data import AcceleratedDataLoader
 from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
@@ -34,6 +36,7 @@ from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.strategies import Strategy, resolve_strategy
 from accumix.strategies.base import params_of
+from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
 
 log = logging.getLogger("accumix")
 
@@ -118,6 +121,8 @@ class Accelerator:
         else:
             scaler = NoLossScale()
         self.strategy = resolve_strategy(strategy, self.launch)
+        # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
+        self._auto_strategy = strategy == "auto" and self.launch.world_size > 1
         self.strategy.connect(
             launch=self.launch, device=self.device, policy=self.policy, scaler=scaler
         )
@@ -130,6 +135,10 @@ class Accelerator:
             seed_everything(seed)
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._loaders: list[AcceleratedDataLoader] = []
+        self._preemption: fault.PreemptionHandler | None = None
+        self._watchdog = fault.start_watchdog(self, timeout)
         self._set_up: set[int] = set()
         self._in_micro_step = False
         self._finalized = False
@@ -160,6 +169,23 @@ class Accelerator:
     def grad_accum_steps(self) -> int:
         return self._window.grad_accum_steps
 
+    @grad_accum_steps.setter
+    def grad_accum_steps(self, steps: int) -> None:
+        """Changes K for the windows that follow (e.g. a ``GradientAccumulationScheduler``).
+
+        Raises:
+            ConfigError: ``steps`` is not an integer >= 1, or a window is half done.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"grad_accum_steps={steps!r} is invalid; use an integer >= 1")
+        if self._window.micro_step:
+            raise ConfigError(
+                f"grad_accum_steps can change only between windows, not after micro-step "
+                f"{self._window.micro_step} of {self._window.grad_accum_steps}"
+            )
+        self._window.grad_accum_steps = steps
+        self._steps_known = True
+
     @property
     def sync_gradients(self) -> bool:
         """Whether the current (or last) micro-step ends the accumulation window."""
@@ -168,7 +194,7 @@ class Accelerator:
     @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale, or None when no loss scaling is in use."""
-        return self.strategy.scaler.scale if self.strategy.scaler.enabled else None
+        return self.strategy.loss_scale
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, *objects: Any) -> Any:
@@ -195,8 +221,17 @@ class Accelerator:
         result: dict[int, Any] = {}
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, Optimizer)]
+        for obj in objects:  # loaders first: one may fix K and the micro batch an engine needs
+            if isinstance(obj, DataLoader):
+                result[id(obj)] = self._wrap_loader(obj)
         for model in models:
             owned = [o for o in optimizers if _owns(model, o)]
+            if self._auto_strategy:
+                self._choose_auto_strategy(model, owned)
+            micro = self._batch_sizes[2] or next(
+                (w.loader.batch_size for w in self._loaders if w.loader.batch_size), None)
+            self.strategy.set_batch_geometry(micro_batch_size=micro,
+                                             grad_accum_steps=self.grad_accum_steps)
             wrapped, opts = self.strategy.setup(model, owned)
             self._models.append(wrapped)
             result[id(model)] = wrapped
@@ -213,11 +248,21 @@ class Accelerator:
         for obj in objects:
             if isinstance(obj, _SCHEDULER_TYPES):
                 result[id(obj)] = self._wrap_scheduler(obj)
-            elif isinstance(obj, DataLoader):
-                result[id(obj)] = self._wrap_loader(obj)
         self._set_up.update(id(o) for o in objects)
         out = tuple(result[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
+
+    def _choose_auto_strategy(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
+        """Swaps the provisional ddp for the memory model's choice, before anything is set up."""
+        self._auto_strategy = False
+        free = agreed_free_bytes(self.strategy, self.device, self.launch.local_world_size)
+        chosen, reason = choose_auto_strategy(
+            model, optimizers, policy=self.policy, world_size=self.world_size, device_bytes=free
+        )
+        chosen.connect(launch=self.launch, device=self.device, policy=self.policy,
+                       scaler=self.strategy.scaler)
+        self.strategy = chosen
+        log.info("strategy='auto' chose %s", reason)
 
     def _wrap_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self)
@@ -225,13 +270,18 @@ class Accelerator:
         return wrapped
 
     def _wrap_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        owner = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), None)
+        # Matched by the param groups the scheduler writes: a strategy may step a rebuilt
+        # optimizer (ZeRO) that shares the user's groups.
+        groups = scheduler.optimizer.param_groups
+        owner = next((o for o in self._optimizers if o.param_groups is groups), None)
         if owner is None:
             raise ConfigError(
                 f"{type(scheduler).__name__}'s optimizer was not set up; "
                 "call acc.setup(model, optimizer, scheduler)"
             )
-        return AcceleratedScheduler(scheduler, owner, self)
+        wrapped = AcceleratedScheduler(scheduler, owner, self)
+        self._schedulers.append(wrapped)
+        return wrapped
 
     def _wrap_loader(self, loader: DataLoader) -> AcceleratedDataLoader:
         _, global_batch, micro = self._batch_sizes
@@ -243,14 +293,17 @@ class Accelerator:
         if not self._steps_known and global_batch is not None and loader.batch_size:
             self._window.grad_accum_steps = self._derive_steps(loader.batch_size) or 1
             self._steps_known = True
-        return AcceleratedDataLoader(
+        wrapped = AcceleratedDataLoader(
             loader,
             device=self.device,
             rank=self.launch.rank,
             world_size=self.strategy.dp_world_size,
             seed=self.seed or 0,
             on_batch=self._on_batch,
+            between_batches=self._between_batches,
         )
+        self._loaders.append(wrapped)
+        return wrapped
 
     def _derive_steps(self, micro_batch_size: int | None) -> int | None:
         steps, global_batch, _ = self._batch_sizes
@@ -263,6 +316,10 @@ class Accelerator:
 
     def _on_batch(self, is_last: bool) -> None:
         self._window.end_of_data = is_last
+
+    def _between_batches(self) -> None:
+        if self._preemption is not None:
+            self._preemption.at_batch()
 
     # -- the step ------------------------------------------------------------------------------
     def accumulate(self, *models: nn.Module) -> _MicroStep:
@@ -279,6 +336,8 @@ class Accelerator:
                 "global_batch_size was given without micro_batch_size and no DataLoader was "
                 "set up to take it from; pass micro_batch_size="
             )
+        if self._preemption is not None and not self._loaders:
+            self._preemption.at_batch()  # no set-up loader calls it between batches
         self._in_micro_step = True
         if self._window.micro_step == 0:
             self._finalized, self._skip, self._found_inf = False, None, None
@@ -349,16 +408,18 @@ class Accelerator:
     def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> None:
         if not self.sync_gradients:
             return
-        if self._skip is None:  # the first optimizer of this boundary decides for all
+        decides = self._skip is None  # the first optimizer of this boundary decides for all
+        if decides:
             self._finalize()
             found_inf = self._found_inf
             # fp16 only: one host sync to read the agreed overflow flag (GradScaler does too).
             self._skip = found_inf is not None and bool(found_inf.item())
             self.strategy.scaler.update(self._skip)
-            self.step_was_skipped = self._skip
-            self.optimizer_steps += not self._skip
         stepped = self.strategy.optimizer_step(optimizer.optimizer, skip=self._skip,
                                                closure=closure)
+        if decides:  # the strategy's answer: an engine may find the overflow in its own step
+            self.step_was_skipped = not stepped
+            self.optimizer_steps += bool(stepped)
         optimizer.pending = False
         if stepped:
             optimizer.stepped_window = self._window.index
@@ -413,8 +474,87 @@ class Accelerator:
         self.barrier()
         return path
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None) -> Path:
+        """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
+
+        Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
+        the loss scaler, the accumulation counters, ``optimizer_steps``, every rank's RNG
+        (python, numpy, torch, CUDA) and every set-up DataLoader's epoch and position. Written
+        to a temporary directory, flushed and renamed; ``run_dir/latest`` is replaced last.
+        Collective: every rank calls it, between windows (after the ``with acc.accumulate():``
+        block of a boundary), with ``run_dir`` on a filesystem all ranks share.
+
+        Args:
+            run_dir: the run's directory (created if needed).
+            keep_last: keep this many newest step directories, deleting older ones.
+
+        Returns:
+            The step directory written.
+
+        Raises:
+            AccumixError: called inside an accumulation window.
+            CheckpointError: a rank failed to write (every rank raises it).
+        """
+        return checkpoint.save_state(self, run_dir, keep_last=keep_last)
+
+    def load_state(self, path: str | os.PathLike[str]) -> Path:
+        """Restores a ``save_state`` checkpoint into what was set up; training then continues
+        bit for bit as if never stopped (same world size) or resharded (another world size).
+
+        Call it after ``acc.setup(...)`` with the same kinds of objects, before the loop.
+        Collective. A world size that differs re-maps each loader's position by samples.
+
+        Args:
+            path: a run directory (its ``latest`` is loaded) or one ``step-N`` directory.
+
+        Returns:
+            The step directory loaded.
+
+        Raises:
+            CheckpointError: a missing, torn or corrupt file, or a checkpoint that does not fit
+                this run (another strategy family, precision, model or set of objects); the
+                message names the file. Every rank raises it.
+        """
+        return checkpoint.load_state(self, path)
+
+    def handle_preemption(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        signals: tuple[int, ...] = (signal.SIGTERM,),
+        keep_last: int | None = None,
+        exit: bool = True,
+    ) -> fault.PreemptionHandler:
+        """On one of ``signals`` (on any rank), save at the next window boundary, then exit 0.
+
+        The ranks agree at each boundary with one scalar all-reduce, so they all save at the
+        same step whichever of them got the signal. Boundaries are seen between batches of a
+        set-up DataLoader (or at the next ``accumulate()`` when none is set up).
+
+        Args:
+            run_dir: where ``save_state`` writes.
+            signals: the signals that mean "stop soon" (add ``signal.SIGINT`` for Ctrl-C).
+            keep_last: passed to ``save_state``.
+            exit: raise ``SystemExit(0)`` after the save; False only sets the returned
+                handler's ``triggered`` (the loop then breaks itself).
+
+        Returns:
+            The handler (``triggered``, ``checkpoint``).
+        """
+        if self._preemption is not None:
+            self._preemption.close()
+        self._preemption = fault.PreemptionHandler(
+            self, run_dir, signals=tuple(signals), keep_last=keep_last, exit=exit
+        )
+        return self._preemption
+
     def end(self) -> None:
         """Waits for every rank and releases the process group accumix created."""
+        if self._preemption is not None:
+            self._preemption.close()
+        if self._watchdog is not None:
+            self._watchdog.finish()
         self.strategy.teardown()
         if self._owns_process_group and dist.is_initialized():
             dist.barrier()

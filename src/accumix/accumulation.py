@@ -14,6 +14,7 @@ what the large batch would have divided by, in one fused pass with fp16 unscalin
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -116,6 +117,28 @@ class AccumulationWindow:
         """Ends the micro-step begun last; after a boundary the next one opens a new window."""
         if self.is_boundary:
             self.micro_step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters as plain numbers (an item count held as a tensor becomes a float)."""
+        items = self.num_items
+        return {
+            "micro_step": self.micro_step,
+            "index": self.index,
+            "mode": self.mode,
+            "num_items": float(items) if isinstance(items, torch.Tensor) else items,
+            "num_items_is_tensor": isinstance(items, torch.Tensor),
+            "items_hint": self.items_hint,
+            "is_boundary": self.is_boundary,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the counters; ``grad_accum_steps`` stays this run's setting."""
+        self.micro_step, self.index, self.mode = state["micro_step"], state["index"], state["mode"]
+        items = state["num_items"]
+        self.num_items = (torch.tensor(items, dtype=torch.float64)
+                          if state["num_items_is_tensor"] else items)
+        self.items_hint = float(state["items_hint"])
+        self.is_boundary, self.end_of_data = bool(state["is_boundary"]), False
 
     def loss_multiplier(self, num_items: Number | torch.Tensor | None) -> float:
         """Records one backward; returns what its loss is multiplied by before the loss scale."""

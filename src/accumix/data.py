@@ -91,6 +91,8 @@ class AcceleratedDataLoader:
         world_size: the number of data-parallel ranks.
         seed: the shuffle seed, the same on every rank.
         on_batch: called with ``is_last`` before each batch is yielded.
+        between_batches: called when the previous batch has been used and before the next is
+            taken (a checkpoint taken there has ``position`` batches fully consumed).
     """
 
     def __init__(
@@ -102,15 +104,19 @@ class AcceleratedDataLoader:
         world_size: int,
         seed: int,
         on_batch: Callable[[bool], None],
+        between_batches: Callable[[], None] | None = None,
     ) -> None:
         self.device = device
         self._on_batch = on_batch
+        self._between_batches = between_batches
+        self._world_size = world_size
         self._move = device.type != "cpu"  # CPU tensors are already where they belong
         self._non_blocking = loader.pin_memory and device.type == "cuda"
         self.sampler: ResumableSampler | None = None
         self.epoch = 0
         self.position = 0  # batches yielded in the current epoch
-        self._started = False
+        self._started = False  # the current epoch has begun: the next iter() starts another
+        self._epoch_done = False  # its last batch has been yielded
         self._resume_position = 0
         if isinstance(loader.dataset, IterableDataset):
             self.loader = loader  # the user shards an iterable dataset; we cannot
@@ -163,26 +169,41 @@ class AcceleratedDataLoader:
         self.epoch, self._started, self._resume_position = epoch, False, 0
 
     def __iter__(self) -> Iterator[Any]:
-        if self._started and not self._resume_position:
+        if self._started:
             self.epoch += 1
-        self._started = True
+        self._started, self._epoch_done = True, False
         skip, self._resume_position = self._resume_position, 0
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start_index = skip * (self.loader.batch_size or 1)
         self.position = skip
-        iterator = iter(self.loader)
+        if skip:
+            # DataLoader.__iter__ draws its workers' base seed from the global RNG (or the
+            # loader's generator). The interrupted run drew it when this epoch began, before the
+            # RNG state that was saved and restored: drawing again would shift dropout.
+            generator = self.loader.generator
+            saved = generator.get_state() if generator is not None else None
+            with torch.random.fork_rng(devices=[]):
+                iterator = iter(self.loader)
+            if generator is not None:
+                generator.set_state(saved)
+        else:
+            iterator = iter(self.loader)
         try:
             batch = next(iterator)
         except StopIteration:
+            self._epoch_done = True
             return
         while True:
+            if self._between_batches is not None:
+                self._between_batches()
             try:
                 upcoming = next(iterator)
                 is_last = False
             except StopIteration:
                 is_last = True
             self.position += 1
+            self._epoch_done = is_last
             self._on_batch(is_last)
             yield move_to_device(batch, self.device, self._non_blocking) if self._move else batch
             if is_last:
@@ -190,17 +211,56 @@ class AcceleratedDataLoader:
             batch = upcoming
 
     def state_dict(self) -> dict[str, int]:
-        """The epoch and the batches of it already yielded."""
+        """Where the next ``iter()`` continues: an epoch and the batches of it already used.
+        A finished epoch is saved as the start of the next one."""
+        if not self._started:
+            return {"epoch": self.epoch, "position": self._resume_position}
+        if self._epoch_done:
+            return {"epoch": self.epoch + 1, "position": 0}
         return {"epoch": self.epoch, "position": self.position}
 
+    def sampling_state(self) -> dict[str, int]:
+        """What lets a run on another world size continue ``state_dict()`` at the same sample
+        and with the same shuffle: the batch size, the data-parallel world size, the seed."""
+        return {
+            "batch_size": self.loader.batch_size or 1,
+            "world_size": self._world_size,
+            "seed": self.sampler.seed if self.sampler is not None else 0,
+        }
+
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """The next ``iter()`` continues epoch ``state["epoch"]`` after ``state["position"]``."""
-        if self.sampler is None and state["position"]:
+        """The next ``iter()`` continues epoch ``state["epoch"]`` after ``state["position"]``.
+
+        ``state`` may also hold ``sampling_state()``'s keys: a position saved with another batch
+        size or world size is then re-mapped by samples, and the saved shuffle seed is used.
+
+        Raises:
+            ConfigError: a mid-epoch position for a loader without a resumable sampler, or one
+                that does not fall on a batch boundary at this world size and batch size.
+        """
+        position = int(state["position"])
+        batch_size = self.loader.batch_size or 1
+        saved_batch, saved_world = state.get("batch_size", batch_size), state.get(
+            "world_size", self._world_size)
+        if position and (saved_batch, saved_world) != (batch_size, self._world_size):
+            # Rank r of W takes the shuffled indices r, r+W, ...: the first S samples of the
+            # epoch are used up on every world size alike when each rank skips S / W of its own.
+            samples = position * saved_batch * saved_world
+            per_step = batch_size * self._world_size
+            if samples % per_step:
+                raise ConfigError(
+                    f"cannot continue mid-epoch: {samples} samples were used ({position} batches "
+                    f"of {saved_batch} on {saved_world} ranks), not a multiple of batch size "
+                    f"{batch_size} x {self._world_size} ranks; resume from a checkpoint at an "
+                    "epoch boundary or with a batch size and world size that divide it"
+                )
+            position = samples // per_step
+        if self.sampler is None and position:
             raise ConfigError(
                 "this DataLoader has no resumable sampler (custom sampler or iterable dataset); "
                 "it cannot continue mid-epoch"
             )
-        self.epoch, self._started = state["epoch"], True
-        self._resume_position = state["position"]
-        if not self._resume_position:  # at an epoch's end: the next iter() starts the next one
-            self.position = 0
+        if self.sampler is not None and "seed" in state:
+            self.sampler.seed = int(state["seed"])  # the interrupted run's shuffle
+        self.epoch, self._started, self._epoch_done = int(state["epoch"]), False, False
+        self._resume_position = self.position = position

@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -155,16 +156,35 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    store = _elastic_attempt_store(launch, timeout)
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = "env://"
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timedelta(seconds=timeout),
         **kwargs,
     )
     return True
+
+
+def _elastic_attempt_store(launch: LaunchEnv, timeout: float) -> dist.Store | None:
+    """torchrun's agent store, with a key prefix for this restart attempt.
+
+    The agent keeps one TCP store for all attempts, and torch's env:// rendezvous adds no
+    per-attempt prefix: a restarted rank can read the dead attempt's gloo/NCCL addresses and
+    fail to connect ("Gloo connectFullMesh failed ... Connection refused").
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(launch.master_addr, launch.master_port, world_size=launch.world_size,
+                           is_master=False, timeout=timedelta(seconds=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/accumix/attempt_{attempt}", client)
 
 
 def seed_everything(seed: int) -> None:

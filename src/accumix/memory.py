@@ -1,8 +1,8 @@
 """Memory model per strategy, and the choice that ``strategy="auto"`` makes from it.
 
 Counts the *model states* one data-parallel rank holds (parameters, gradients, optimizer states)
-the way the ZeRO paper does, plus an activation estimate the caller supplies. Imports nothing
-from accumix, so it loads on its own.
+the way the ZeRO paper does, plus an activation estimate the caller supplies. Imports only
+``accumix.errors`` from accumix, so it loads on its own.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from accumix.errors import ConfigError
 
 # ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models", sections 3.1 and 5.1): mixed-precision Adam holds 2 (fp16 params) + 2 (fp16 grads) +
@@ -266,7 +268,7 @@ def estimate_memory(
         One estimate per strategy, in the order of ``STRATEGIES``.
 
     Raises:
-        ValueError: A negative count, ``world_size < 1``, an unknown precision, a headroom outside
+        ConfigError: A negative count, ``world_size < 1``, an unknown precision, a headroom outside
             (0, 1], a non-positive ``device_bytes`` or ``block_params`` above the parameter count.
     """
     if isinstance(model_or_num_params, nn.Module):
@@ -280,12 +282,12 @@ def estimate_memory(
             block_params = num_params
     _check_int("world_size", world_size, minimum=1)
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     _check_int("optimizer_states", optimizer_states)
     _check_int("activation_bytes", activation_bytes)
     _check_int("block_params", block_params)
     if block_params > num_params:
-        raise ValueError(f"block_params={block_params} exceeds the {num_params} parameters")
+        raise ConfigError(f"block_params={block_params} exceeds the {num_params} parameters")
     budget = _budget(device_bytes, headroom)
 
     def shard(count: int, is_sharded: bool) -> int:
@@ -340,7 +342,7 @@ def choose_strategy(
         The choice, with a one-line reason that names the bytes per rank.
 
     Raises:
-        ValueError: ``world_size < 1``, a headroom outside (0, 1], a non-positive
+        ConfigError: ``world_size < 1``, a headroom outside (0, 1], a non-positive
             ``device_bytes``, or an estimate missing.
     """
     _check_int("world_size", world_size, minimum=1)
@@ -349,7 +351,7 @@ def choose_strategy(
     by_name = {estimate.strategy: estimate for estimate in estimates}
     missing = [name for name, _, _ in _AUTO_ORDER if name not in by_name]
     if missing:
-        raise ValueError(f"estimates lack {', '.join(missing)}; pass estimate_memory()'s list")
+        raise ConfigError(f"estimates lack {', '.join(missing)}; pass estimate_memory()'s list")
     of_budget = f"{headroom:.0%} of {_gib(device_bytes)}"
     ddp_total = by_name["ddp"].total_bytes
 
@@ -386,7 +388,7 @@ def device_free_bytes(device: torch.device | str, *, local_world_size: int = 1) 
         Bytes.
 
     Raises:
-        ValueError: ``local_world_size < 1`` or a device type other than cuda or cpu.
+        ConfigError: ``local_world_size < 1`` or a device type other than cuda or cpu.
     """
     _check_int("local_world_size", local_world_size, minimum=1)
     device = torch.device(device)
@@ -395,7 +397,7 @@ def device_free_bytes(device: torch.device | str, *, local_world_size: int = 1) 
         return int(free)
     if device.type == "cpu":
         return _host_available_bytes() // local_world_size
-    raise ValueError(f"cannot size memory of device type {device.type!r}; choose cuda or cpu")
+    raise ConfigError(f"cannot size memory of device type {device.type!r}; choose cuda or cpu")
 
 
 def format_table(estimates: list[MemoryEstimate]) -> str:
@@ -453,17 +455,17 @@ def _read_text(path: str) -> str | None:
 
 def _budget(device_bytes: int | None, headroom: float) -> float | None:
     if not 0 < headroom <= 1:
-        raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+        raise ConfigError(f"headroom must be in (0, 1], got {headroom}")
     if device_bytes is None:
         return None
     if device_bytes <= 0:
-        raise ValueError(f"device_bytes must be > 0, got {device_bytes}")
+        raise ConfigError(f"device_bytes must be > 0, got {device_bytes}")
     return headroom * device_bytes
 
 
 def _check_int(name: str, value: int, *, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 

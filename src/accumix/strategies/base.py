@@ -42,6 +42,8 @@ class Strategy:
         self.device = torch.device("cpu")
         self.policy: Policy | None = None
         self.scaler: LossScaler = NoLossScale()
+        self.micro_batch_size: int | None = None
+        self.grad_accum_steps = 1
 
     def connect(
         self, *, launch: LaunchEnv, device: torch.device, policy: Policy, scaler: LossScaler
@@ -68,7 +70,19 @@ class Strategy:
         """How many ranks the backend averages gradients over (undone for item-weighted losses)."""
         return self.dp_world_size
 
+    @property
+    def loss_scale(self) -> float | None:
+        """The fp16 loss scale in use, or None. An engine that scales the loss itself
+        (DeepSpeed) reports its own scale here while ``scaler.scale`` stays 1 for the façade."""
+        return self.scaler.scale if self.scaler.enabled else None
+
     # -- setup -------------------------------------------------------------------------------
+    def set_batch_geometry(self, *, micro_batch_size: int | None, grad_accum_steps: int) -> None:
+        """Told by the Accelerator right before each ``setup``: samples per forward on one rank
+        (None when not known yet) and micro-steps per window. Engines configured with them
+        (DeepSpeed's config) read them; the others need nothing."""
+        self.micro_batch_size, self.grad_accum_steps = micro_batch_size, grad_accum_steps
+
     def setup(
         self, model: nn.Module, optimizers: list[Optimizer]
     ) -> tuple[nn.Module, list[Optimizer]]:
@@ -158,14 +172,27 @@ class Strategy:
         the backend shards, so it reshards on load). Backends whose state it cannot read
         (ZeroRedundancyOptimizer, DeepSpeed's engine) override both checkpoint methods.
         """
-        raise NotImplementedError("checkpointing lands with accumix.checkpoint")
+        from accumix.dcp_state import save_sharded  # DCP's import costs ~1 s: only when used
+
+        save_sharded(directory, models, optimizers)
 
     def load_checkpoint(
         self, directory: str, models: list[nn.Module], optimizers: list[Optimizer]
     ) -> None:
         """Reads what ``save_checkpoint`` wrote into the set-up models and optimizers, in place
         (collective); the world size may differ from the saving run's."""
-        raise NotImplementedError("checkpointing lands with accumix.checkpoint")
+        from accumix.dcp_state import load_sharded
+
+        load_sharded(directory, models, optimizers)
+
+    @property
+    def checkpoint_format(self) -> str:
+        """Which ``save_checkpoint`` wrote a checkpoint; a load needs the same one. Strategies on
+        the default hooks share ``"dcp"`` (a ddp checkpoint loads into fsdp or one process);
+        one that overrides the hooks gets its own name unless it sets this."""
+        if type(self).save_checkpoint is Strategy.save_checkpoint:
+            return "dcp"
+        return self.name
 
     # -- collectives ---------------------------------------------------------------------------
     @property

@@ -9,8 +9,14 @@ from __future__ import annotations
 import importlib
 import logging
 
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
 from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
+from accumix.memory import PRECISIONS, choose_strategy, device_free_bytes, estimate_memory
+from accumix.precision import Policy
 from accumix.strategies.base import Strategy
 
 log = logging.getLogger("accumix")
@@ -72,3 +78,67 @@ def resolve_strategy(strategy: str | Strategy, launch: LaunchEnv) -> Strategy:
             "use 'ddp' (or 'auto'), or launch one process"
         )
     return chosen
+
+
+def choose_auto_strategy(
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    *,
+    policy: Policy,
+    world_size: int,
+    device_bytes: int,
+    headroom: float = 0.8,
+) -> tuple[Strategy, str]:
+    """What ``strategy="auto"`` becomes once the model is known: the memory model's choice.
+
+    One process is ``single``; otherwise the least communication whose model states fit
+    ``headroom * device_bytes`` per rank: ddp, then zero1, fsdp ``grad_op``, fsdp ``full``
+    (``accumix.memory.choose_strategy``; fsdp ``full`` also when nothing fits).
+
+    Args:
+        model: the user's plain model (its parameters are counted).
+        optimizers: its optimizers (they give the states per parameter; Adam-like 2 if unknown).
+        policy: the precision policy.
+        world_size: data-parallel ranks.
+        device_bytes: memory one rank may use, the same number on every rank.
+        headroom: fraction of ``device_bytes`` the model states may take.
+
+    Returns:
+        A fresh (unconnected) strategy and the one-line reason for the log.
+    """
+    estimates = estimate_memory(
+        model, world_size=world_size, precision=_precision_word(policy),
+        optimizer_states=_optimizer_states(optimizers), device_bytes=device_bytes,
+        headroom=headroom,
+    )
+    choice = choose_strategy(estimates, device_bytes=device_bytes, headroom=headroom,
+                             world_size=world_size)
+    cls = strategy_class(choice.strategy)
+    strategy = cls(sharding=choice.sharding) if choice.sharding else cls()  # type: ignore[call-arg]
+    return strategy, choice.reason
+
+
+def agreed_free_bytes(strategy: Strategy, device: torch.device, local_world_size: int) -> int:
+    """The device memory one rank may use, the minimum over ranks so all choose alike."""
+    free = device_free_bytes(device, local_world_size=local_world_size)
+    agreed = strategy.all_reduce(torch.tensor([float(free)], device=device), "min")
+    return int(agreed.item())
+
+
+def _precision_word(policy: Policy) -> str:
+    if policy.name in PRECISIONS:
+        return policy.name
+    if policy.param_dtype != torch.float32:
+        return "bf16-true"
+    return "bf16-mixed" if policy.autocast else "fp32"
+
+
+def _optimizer_states(optimizers: list[Optimizer]) -> int:
+    """States per parameter: 1 for SGD with momentum, Adagrad, RMSprop; 0 for plain SGD; 2 else."""
+    def states(opt: Optimizer) -> int:
+        name = type(opt).__name__
+        if name == "SGD":
+            return int(any(group.get("momentum", 0) for group in opt.param_groups))
+        return {"Adagrad": 1, "RMSprop": 1}.get(name, 2)
+
+    return max((states(opt) for opt in optimizers), default=2)

@@ -1,0 +1,1 @@
+"""The ``accumix`` command line: one module per subcommand, dispatched by ``main``."""

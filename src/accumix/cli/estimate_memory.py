@@ -1,0 +1,117 @@
+"""``accumix estimate-memory``: the memory model's table per strategy and the ``auto`` choice.
+
+Sizes the recipe's model (from the same config and overrides as ``accumix train``; a large one
+is built on the meta device, so nothing is allocated) or a bare parameter count (``--params
+7e9``), for a world size and a precision. Activations are estimated for the recipe with
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+section 4.1): per layer
+``s*b*h*(34 + 5*a*s/h)`` bytes at 16-bit (twice that in fp32), for sequence s, micro batch b,
+width h, heads a.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from accumix.errors import ConfigError
+
+_BYTES_16 = {"fp32": 2.0, "bf16-mixed": 1.0, "fp16-mixed": 1.0, "bf16-true": 1.0}
+
+
+def activation_bytes(*, seq: int, micro_batch: int, width: int, heads: int, layers: int,
+                     precision: str) -> int:
+    """Activation memory of a GPT's forward kept for backward (no recomputation)."""
+    per_layer = seq * micro_batch * width * (34 + 5 * heads * seq / width)
+    return int(per_layer * layers * _BYTES_16[precision])
+
+
+def _parse_count(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--params={text!r} is invalid; use a count such as 124e6") from None
+    if value < 1 or value != int(value):
+        raise ConfigError(f"--params={text!r} is invalid; use a whole count >= 1")
+    return int(value)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "estimate-memory", help="memory per rank for each strategy, and the auto choice",
+        description="Print the memory model's bytes per rank for every strategy and what "
+        "strategy='auto' would pick. Sizes the train recipe's model (same config and overrides "
+        "as accumix train) unless --params is given.")
+    parser.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]",
+                        help="the recipe's config and overrides (e.g. model.n_layer=12)")
+    parser.add_argument("--params", default=None, help="a parameter count instead of the recipe")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="data-parallel ranks (default: the recipe's nproc)")
+    parser.add_argument("--precision", default=None,
+                        help="fp32 | bf16-mixed | fp16-mixed | bf16-true (default: the "
+                        "recipe's, auto resolved on this machine)")
+    parser.add_argument("--optimizer-states", type=int, default=2,
+                        help="states per parameter: 2 Adam, 1 SGD+momentum, 0 SGD")
+    parser.add_argument("--device-gib", type=float, default=None,
+                        help="memory per rank in GiB (default: free memory of this machine's "
+                        "GPU, or its RAM shared by the ranks)")
+    parser.set_defaults(run=run_estimate)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    import torch
+
+    from accumix.cli.launch import resolve_nproc
+    from accumix.cli.train import load_train_config
+    from accumix.memory import (
+        PRECISIONS,
+        choose_strategy,
+        device_free_bytes,
+        estimate_memory,
+        format_table,
+    )
+    from accumix.precision.policy import resolve_policy
+    from accumix.recipes.default import TrainConfig
+    from accumix.recipes.gpt import GPT
+
+    config = load_train_config(args.items)
+    assert isinstance(config, TrainConfig)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    precision = args.precision or config.precision
+    if precision == "auto":
+        precision = resolve_policy("auto", device).name
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision={precision!r} is invalid; use one of "
+                          f"{', '.join(PRECISIONS)}")
+    world = args.world_size if args.world_size is not None else resolve_nproc(config.nproc)
+    if world < 1:
+        raise ConfigError(f"--world-size={world} is invalid; use an integer >= 1")
+    if args.device_gib is not None and not args.device_gib > 0:
+        raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
+    model_or_count: torch.nn.Module | int
+    if args.params is not None:
+        model_or_count = _parse_count(args.params)
+        activations = 0
+        label = f"{model_or_count:,} parameters (activations not counted)"
+    else:
+        shape = config.model
+        # Small models are built for real: initialising on the meta device first imports
+        # torch's decompositions (seconds); big ones must not be allocated.
+        rough = 12 * shape.n_layer * shape.n_embd**2
+        with torch.device("meta" if rough > 200_000_000 else "cpu"):
+            model_or_count = GPT(config.model)
+        activations = activation_bytes(seq=shape.block_size, micro_batch=config.micro_batch_size,
+                                       width=shape.n_embd, heads=shape.n_head,
+                                       layers=shape.n_layer, precision=precision)
+        count = sum(p.numel() for p in model_or_count.parameters())
+        label = (f"the recipe's GPT ({count:,} parameters, micro batch "
+                 f"{config.micro_batch_size} x {shape.block_size} tokens)")
+    device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
+                    else device_free_bytes(device, local_world_size=world))
+    estimates = estimate_memory(model_or_count, world_size=world, precision=precision,
+                                optimizer_states=args.optimizer_states,
+                                activation_bytes=activations, device_bytes=device_bytes)
+    choice = choose_strategy(estimates, device_bytes=device_bytes, world_size=world)
+    print(f"{label}, {precision}, world size {world}, {device_bytes / 2**30:.1f} GiB per rank")
+    print(format_table(estimates))
+    print(f"auto: {choice.reason}")
+    return 0

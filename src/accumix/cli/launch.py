@@ -1,0 +1,227 @@
+"""``accumix launch``: ``torch.distributed.run`` with the defaults a user would have picked.
+
+accumix runs no rendezvous of its own: this builds torchrun's arguments and calls it in this
+process. What it decides for you:
+
+* ``--nproc auto``: the GPUs of this node, else its CPU cores (one process per core, each with
+  one thread); an explicit N on a CPU gives each process ``cores // N`` threads;
+* one node: the static rendezvous on loopback (``127.0.0.1``) on a free port;
+* inside a SLURM job step (``srun --ntasks-per-node=1 accumix launch ...``): the node count,
+  this node's rank, node 0's address and a port from the job id come from the allocation;
+* several nodes otherwise: ``--master-addr`` is required; the port defaults to 29500.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from accumix.env import first_host
+from accumix.errors import ConfigError
+from accumix.testing import free_port
+
+DEFAULT_MULTINODE_PORT = 29500
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LaunchPlan:
+    """The resolved torchrun settings."""
+
+    nproc: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    max_restarts: int
+    threads_per_process: int | None  # OMP_NUM_THREADS for CPU ranks; None: leave as is
+
+
+def local_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers set)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _positive(name: str, value: str | int, minimum: int = 1) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = minimum - 1
+    if number < minimum:
+        raise ConfigError(f"{name}={value!r} is invalid; use an integer >= {minimum}")
+    return number
+
+
+def slurm_settings(environ: Mapping[str, str]) -> dict[str, int | str]:
+    """Defaults read from a SLURM allocation (empty outside one).
+
+    Raises:
+        ConfigError: a multi-node allocation without one launcher per node.
+    """
+    if "SLURM_JOB_ID" not in environ:
+        return {}
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES")
+                or environ.get("SLURM_NNODES") or 1)
+    in_step = "SLURM_STEP_ID" in environ
+    tasks = int(environ.get("SLURM_STEP_NUM_TASKS") or nodes) if in_step else nodes
+    if nodes > 1 and (not in_step or tasks != nodes):
+        raise ConfigError(
+            f"this SLURM allocation has {nodes} nodes; start one launcher per node: "
+            "srun --ntasks-per-node=1 accumix launch ..."
+        )
+    out: dict[str, int | str] = {"nnodes": nodes, "node_rank": int(environ.get("SLURM_NODEID", 0))}
+    if nodes > 1:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
+        out["master_addr"] = first_host(nodelist)
+        # Lightning's rule, as accumix.env uses it: two jobs on one node get different ports.
+        out["master_port"] = 10000 + int(environ["SLURM_JOB_ID"]) % 10000
+    if environ.get("SLURM_GPUS_ON_NODE"):
+        out["gpus"] = int(environ["SLURM_GPUS_ON_NODE"])
+    if environ.get("SLURM_CPUS_ON_NODE"):
+        out["cpus"] = int(environ["SLURM_CPUS_ON_NODE"])
+    return out
+
+
+def resolve_nproc(value: str | int, environ: Mapping[str, str] | None = None) -> int:
+    """Processes for this node: ``auto`` = GPUs, else CPU cores (or the SLURM allocation's).
+
+    Raises:
+        ConfigError: not ``auto`` nor an integer >= 1.
+    """
+    environ = os.environ if environ is None else environ
+    if value != "auto":
+        return _positive("nproc", value)
+    slurm = slurm_settings(environ)
+    gpus = local_gpus()
+    if gpus:
+        return min(gpus, int(slurm.get("gpus", gpus)))
+    return int(slurm.get("cpus", local_cpus()))
+
+
+def plan_launch(*, nproc: str | int = "auto", nnodes: int | None = None,
+                node_rank: int | None = None, master_addr: str | None = None,
+                master_port: int | None = None, max_restarts: int = 0,
+                environ: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Resolves the launch: explicit values first, then SLURM's, then the defaults.
+
+    Raises:
+        ConfigError: a bad number, a node rank outside the nodes, or several nodes without a
+            master address.
+    """
+    environ = os.environ if environ is None else environ
+    slurm = slurm_settings(environ)
+    procs = resolve_nproc(nproc, environ)
+    nodes = _positive("nnodes", nnodes if nnodes is not None else slurm.get("nnodes", 1))
+    rank = _positive("node-rank", node_rank if node_rank is not None
+                     else slurm.get("node_rank", 0), minimum=0)
+    if rank >= nodes:
+        raise ConfigError(f"node-rank={rank} is invalid with nnodes={nodes}; use 0..{nodes - 1}")
+    _positive("max-restarts", max_restarts, minimum=0)
+    addr = master_addr or slurm.get("master_addr")
+    if addr is None:
+        if nodes > 1:
+            raise ConfigError(
+                f"nnodes={nodes} needs --master-addr: the address of node 0, the same on "
+                "every node"
+            )
+        addr = "127.0.0.1"
+    port = master_port or slurm.get("master_port")
+    if port is None:
+        port = DEFAULT_MULTINODE_PORT if nodes > 1 else free_port()
+    port = _positive("master-port", port)
+    threads = None
+    if local_gpus() == 0 and "OMP_NUM_THREADS" not in environ:
+        threads = max(1, int(slurm.get("cpus", local_cpus())) // procs)
+    return LaunchPlan(nproc=procs, nnodes=nodes, node_rank=rank, master_addr=str(addr),
+                      master_port=port, max_restarts=max_restarts, threads_per_process=threads)
+
+
+def torchrun_args(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
+                  module: bool = False) -> list[str]:
+    """``torch.distributed.run`` arguments for ``plan`` running ``target``."""
+    args = [
+        f"--nnodes={plan.nnodes}",
+        f"--nproc-per-node={plan.nproc}",
+        f"--node-rank={plan.node_rank}",
+        f"--master-addr={plan.master_addr}",
+        f"--master-port={plan.master_port}",
+        f"--max-restarts={plan.max_restarts}",
+    ]
+    return [*args, *(["--module"] if module else []), target, *target_args]
+
+
+def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
+                 module: bool = False) -> int:
+    """Runs torchrun's agent in this process until every rank exited.
+
+    Returns:
+        0 when every rank succeeded; 2 when the ranks failed with a usage or config error
+        (status 2, their one-line message already printed); 1 for any other failure.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if plan.threads_per_process is not None:
+        os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_process)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    try:
+        run(parse_args(torchrun_args(plan, target, target_args, module=module)))
+    except ChildFailedError as exc:
+        failures = exc.failures
+        codes = {failure.exitcode for failure in failures.values()}
+        if codes == {2}:
+            return 2
+        # The agent kills the other ranks once one fails: name the one that failed first.
+        own = {r: f for r, f in failures.items() if f.exitcode > 0} or failures
+        rank, first = min(own.items(), key=lambda item: (item[1].timestamp, item[0]))
+        how = (f"was killed by signal {first.signal_name()}" if first.exitcode < 0
+               else f"exited with status {first.exitcode}")
+        print(f"accumix launch: rank {rank} {how} (its output is above)", flush=True)
+        return 1
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "launch", help="run a script on N processes per node (torch.distributed.run)",
+        description="Run SCRIPT on every local device (torch.distributed.run underneath). "
+        "One node: rendezvous on 127.0.0.1. Several: run one launcher per node with the same "
+        "--nnodes, --master-addr and --master-port and each its --node-rank (read from SLURM "
+        "inside `srun --ntasks-per-node=1`).")
+    parser.add_argument("--nproc", default="auto", metavar="N|auto",
+                        help="processes on this node; auto: its GPUs, else its CPU cores")
+    parser.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's index")
+    parser.add_argument("--master-addr", default=None, help="node 0's address")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="node 0's port (one node: a free one; several: 29500)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart every rank up to N times after a failure")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="SCRIPT is a module name, run as python -m")
+    parser.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments for the script")
+    parser.set_defaults(run=run_launch)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    if args.script is None:
+        raise ConfigError("give the SCRIPT to run, e.g. accumix launch --nproc 2 train.py")
+    if not args.module and not os.path.isfile(args.script):
+        raise ConfigError(f"script {args.script!r} does not exist")
+    plan = plan_launch(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                       master_addr=args.master_addr, master_port=args.master_port,
+                       max_restarts=args.max_restarts)
+    return run_torchrun(plan, args.script, args.script_args, module=args.module)

@@ -1,0 +1,79 @@
+"""``accumix train [CONFIG.yaml] [key=value ...]``: the config-driven job, on every local device.
+
+With no arguments it is the default recipe (a small GPT on the stdlib's source). Run by hand
+(no launcher around it) with ``nproc`` above 1, it checks the config, then launches itself with
+``torch.distributed.run`` on ``nproc`` local processes; under a launcher it trains directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import yaml
+
+from accumix.cli.launch import plan_launch, run_torchrun
+from accumix.errors import ConfigError
+
+
+def split_arguments(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG.yaml] [key=value ...]`` -> the config path (or None) and the overrides.
+
+    Raises:
+        ConfigError: more than one argument without ``=``.
+    """
+    path: str | None = None
+    overrides: list[str] = []
+    for item in items:
+        if "=" in item:
+            overrides.append(item)
+        elif path is None and not overrides:
+            path = item
+        else:
+            raise ConfigError(f"unexpected argument {item!r}; give one CONFIG.yaml first, then "
+                              "key=value overrides")
+    return path, overrides
+
+
+def load_train_config(items: Sequence[str]) -> object:
+    """The ``TrainConfig`` from the command's arguments (file first, then overrides)."""
+    from accumix.recipes.default import TrainConfig
+    from accumix.trainer.config import load_config
+
+    path, overrides = split_arguments(items)
+    return load_config(TrainConfig, path, overrides)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train from a YAML config (no config: the default recipe)",
+        description="Train the config's job on every local device (the default: a small GPT on "
+        "the Python standard library's source). Keys: accumix train --print-config.")
+    parser.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value]",
+                        help="a YAML config, then dotted overrides such as max_steps=50 "
+                        "model.n_layer=2")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit")
+    parser.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from accumix.accumulation import derive_grad_accum_steps
+    from accumix.env import detect_launch_env
+    from accumix.recipes import default
+    from accumix.trainer.config import to_dict
+
+    config = load_train_config(args.items)
+    assert isinstance(config, default.TrainConfig)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    if detect_launch_env().launcher != "none":  # a launcher started us: we are one rank
+        return default.run(config)
+    plan = plan_launch(nproc=config.nproc)
+    # Checked here so a batch that does not divide is one line, not a failure on every rank.
+    derive_grad_accum_steps(grad_accum_steps=None, global_batch_size=config.global_batch_size,
+                            micro_batch_size=config.micro_batch_size, dp_world_size=plan.nproc)
+    if plan.nproc == 1:
+        return default.run(config)
+    return run_torchrun(plan, "accumix.cli.main", ["train", *args.items], module=True)

@@ -1,0 +1,136 @@
+"""Models and optimizers through ``torch.distributed.checkpoint``: the default strategy hooks.
+
+``get_state_dict`` names every entry by the plain model's keys whatever the wrapper (DDP, FSDP2),
+and FSDP2's DTensor shards are written as shards, so a checkpoint loads on another world size and
+into another of these strategies. Loading never unpickles arbitrary objects: DCP's ``.metadata``
+goes through a whitelist of the classes DCP writes there, and its non-tensor entries (optimizer
+hyper-parameters) through ``torch.load(weights_only=True)`` instead of torch's
+``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import pickle
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+from accumix.checkpoint import CheckpointError
+
+
+def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer]) -> None:
+    """Saves models and optimizers with ``torch.distributed.checkpoint`` (collective).
+
+    ``get_state_dict`` names every entry by the plain model's keys whatever the wrapper (DDP,
+    FSDP2), and FSDP2's DTensor shards are written as shards: a load on another world size
+    reshards them.
+    """
+    state = _state(models, optimizers)
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=directory, no_dist=not _distributed())
+
+
+def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer]) -> None:
+    """Loads what ``save_sharded`` wrote into the set-up models and optimizers (collective)."""
+    state = _state(models, optimizers)
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=_SafeReader(directory), planner=_SafePlanner(),
+                 no_dist=not _distributed())
+    for i, model in enumerate(models):
+        opts = _owned(model, optimizers)
+        set_state_dict(model, opts, model_state_dict=state[f"model{i}"],
+                       optim_state_dict=state.get(f"optim{i}", {}))
+
+
+def _state(models: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for i, model in enumerate(models):
+        opts = _owned(model, optimizers)
+        model_sd, optim_sd = get_state_dict(model, opts)
+        state[f"model{i}"] = model_sd
+        if opts:
+            state[f"optim{i}"] = optim_sd
+    return state
+
+
+def _owned(model: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
+    mine = {id(p) for p in model.parameters()}
+    return [o for o in optimizers
+            if any(id(p) in mine for g in o.param_groups for p in g["params"])]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns that it "assumes" one process even when told so with no_dist=True.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*assuming the intent is to")
+        yield
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """Non-tensor entries (optimizer hyper-parameters) read with ``weights_only=True``; torch's
+    planner unpickles them with ``weights_only=False``."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class _SafeReader(FileSystemReader):
+    """Reads DCP's ``.metadata`` pickle through a whitelist of the classes DCP writes there."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+                raise CheckpointError(f"{path} is not a torch.distributed.checkpoint metadata "
+                                      f"file or is damaged: {exc}") from exc
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    _OTHERS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+               ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+               ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module in self._MODULES and isinstance(getattr(_import(module), name, None), type))
+            or (module, name) in self._OTHERS
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _import(module: str) -> Any:
+    return importlib.import_module(module)

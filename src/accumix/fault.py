@@ -1,0 +1,255 @@
+"""Faults: name the rank that died or hangs, stop the others, and save on pre-emption.
+
+* **Watchdog.** In a distributed run each rank's daemon thread writes a heartbeat and its
+  progress (window index, micro-step) to the job's TCP store about once a second; the main
+  thread pays nothing. gloo's errors name no rank ("Timed out waiting 3000ms for recv",
+  "Connection closed by peer [127.0.0.1]:26331"), so when an exception from a collective
+  reaches the top of the script, the rank reads every heartbeat twice and says which rank
+  stopped (its heartbeat stopped: died or frozen) or is stuck (alive, behind the others). Any
+  rank that dies of an uncaught exception publishes it, and the other ranks' watchdogs stop
+  their processes within a heartbeat: no rank is left hanging on a dead job, with or without
+  torchrun's agent.
+* **Pre-emption.** ``acc.handle_preemption(run_dir)`` turns SIGTERM into a checkpoint at the
+  next window boundary (the ranks agree with one scalar all-reduce per window), then exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from accumix.errors import ConfigError
+
+if TYPE_CHECKING:
+    from accumix.accelerator import Accelerator
+
+_COLLECTIVE_HINTS = ("gloo", "nccl", "timed out", "timeout", "connection closed",
+                     "connection reset", "broken pipe", "process group")
+_watchdog: Watchdog | None = None
+
+
+class Watchdog:
+    """This rank's heartbeat thread and the failure diagnosis (one per process).
+
+    Args:
+        store: the job's key-value store (a dedicated client with a short timeout).
+        rank: this rank.
+        world_size: the number of ranks.
+        interval: seconds between heartbeats.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, interval: float) -> None:
+        self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
+        self._accelerator: weakref.ref[Accelerator] | None = None
+        self._seq = 0
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="accumix-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, acc: Accelerator) -> None:
+        """Reports ``acc``'s progress from now on (the newest Accelerator of the process)."""
+        self._accelerator = weakref.ref(acc)
+
+    def progress(self) -> tuple[int, int]:
+        """(windows finished, micro-steps begun in the next one): grows with every micro-step."""
+        acc = self._accelerator() if self._accelerator is not None else None
+        if acc is None:
+            return (0, 0)
+        window = acc._window
+        if window.micro_step == 0:  # between windows (also after a boundary that raised)
+            return (window.index + 1, 0)
+        return (window.index, window.micro_step)
+
+    def _beat(self) -> None:
+        self._seq += 1
+        index, micro = self.progress()
+        self.store.set(f"hb/{self.rank}", f"{self._seq} {index} {micro}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                if self.store.check(["failed"]):
+                    failed = self.store.get("failed").decode()
+                    if not failed.startswith(f"{self.rank}:") and not self._stop.is_set():
+                        rank, _, message = failed.partition(":")
+                        _die(f"accumix: rank {rank} failed ({message.strip()}); stopping rank "
+                             f"{self.rank} too")
+            except Exception:  # noqa: BLE001 - the store's host exited: the launcher cleans up
+                return
+
+    def finish(self) -> None:
+        """This rank is done: peers must not count it as dead; the thread stops."""
+        self._stop.set()
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - nothing left to tell
+            pass
+
+    def publish_failure(self, message: str) -> None:
+        try:
+            self.store.compare_set("failed", "", f"{self.rank}: {message}")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _heartbeats(self) -> dict[int, tuple[int, int, int]]:
+        beats = {}
+        for rank in range(self.world_size):
+            key = f"hb/{rank}"
+            if self.store.check([key]) and not self.store.check([f"done/{rank}"]):
+                seq, index, micro = self.store.get(key).decode().split()
+                beats[rank] = (int(seq), int(index), int(micro))
+        return beats
+
+    def diagnose(self) -> str:
+        """Which rank is to blame for a failed collective, from two rounds of heartbeats."""
+        try:
+            first = self._heartbeats()
+            time.sleep(2.5 * self.interval)
+            second = self._heartbeats()
+        except Exception as exc:  # noqa: BLE001
+            return f"the job's store is unreachable ({exc}); rank 0 or the launcher has exited"
+        silent = sorted(r for r in first if r != self.rank
+                        and (r not in second or second[r][0] == first[r][0]))
+        alive = {r: (b[1], b[2]) for r, b in second.items() if r not in silent}
+        alive[self.rank] = self.progress()
+        lead = max(alive.values())
+        leader = min(r for r, p in alive.items() if p == lead)
+        behind = sorted(r for r, p in alive.items() if p < lead)
+        parts = []
+        if silent:
+            parts.append(f"rank(s) {_list(silent)} stopped responding (no heartbeat for "
+                         f"{2.5 * self.interval:.1f}s: the process died or is frozen; its own "
+                         "log or the launcher's exit summary says why)")
+        if behind:
+            where = ", ".join(f"rank {r} at {_where(alive[r])}" for r in behind)
+            parts.append(f"rank(s) {_list(behind)} are alive but stuck behind ({where}) while "
+                         f"rank {leader} reached {_where(lead)}: a hang outside accumix, or a "
+                         "collective they skipped")
+        if not parts:
+            parts.append(f"every rank is alive at {_where(lead)}: the network failed, or the "
+                         "ranks called different collectives")
+        return "; ".join(parts)
+
+
+def _where(progress: tuple[int, int]) -> str:
+    windows, micro = progress
+    return f"{windows} windows done + {micro} micro-step(s)"
+
+
+def _list(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _die(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def start_watchdog(acc: Accelerator, timeout: float) -> Watchdog | None:
+    """Starts this process's watchdog (once) and points it at ``acc``; None in one process or
+    when no TCP store address is known (a process group made with another init method)."""
+    global _watchdog
+    if acc.world_size == 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    if _watchdog is None or _watchdog._stop.is_set():
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        try:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   is_master=False, timeout=timedelta(seconds=10),
+                                   wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - no diagnosis, but training is unaffected
+            return None
+        store = dist.PrefixStore(f"accumix/{run}/{attempt}/", client)
+        interval = min(1.0, max(0.1, timeout / 10))
+        _watchdog = Watchdog(store, acc.rank, acc.world_size, interval)
+        _install_excepthook()
+    _watchdog.watch(acc)
+    return _watchdog
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_accumix", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        previous(kind, exc, tb)
+        watchdog = _watchdog
+        if watchdog is None or watchdog._stop.is_set():
+            return
+        summary = f"{kind.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        if _is_collective_failure(exc):
+            summary = f"a collective failed: {watchdog.diagnose()}"
+            print(f"accumix: rank {watchdog.rank}: {summary}", file=sys.stderr, flush=True)
+        watchdog.publish_failure(summary)
+        watchdog._stop.set()
+
+    hook._accumix = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(h in str(exc).lower() for h in _COLLECTIVE_HINTS)
+
+
+class PreemptionHandler:
+    """Turns a signal into a checkpoint at the next window boundary; made by
+    ``Accelerator.handle_preemption``.
+
+    Attributes:
+        triggered: a signal arrived and the checkpoint was written.
+        checkpoint: that checkpoint's step directory.
+    """
+
+    def __init__(self, acc: Accelerator, run_dir: str | os.PathLike[str], *,
+                 signals: tuple[int, ...], keep_last: int | None, exit: bool) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigError("handle_preemption must be called from the main thread "
+                              "(Python delivers signals there)")
+        self._acc, self.run_dir, self.keep_last, self.exit = acc, Path(run_dir), keep_last, exit
+        self.triggered, self.checkpoint = False, None
+        self._requested = False
+        self._checked_window = acc._window.index
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._requested = True  # only a flag: the save needs every rank at the same boundary
+
+    def at_batch(self) -> None:
+        """Between batches: once per finished window, the ranks agree whether to stop."""
+        window = self._acc._window
+        if window.micro_step or window.index == self._checked_window:
+            return
+        self._checked_window = window.index
+        flag = torch.tensor([1.0 if self._requested else 0.0], device=self._acc.device)
+        if not self._acc.strategy.all_reduce(flag, "max").item():
+            return
+        self.checkpoint = self._acc.save_state(self.run_dir, keep_last=self.keep_last)
+        self.triggered = True
+        self.close()
+        print(f"accumix: rank {self._acc.rank} pre-empted; saved {self.checkpoint}",
+              file=sys.stderr, flush=True)
+        if self.exit:
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Restores the signal handlers that were there before."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}

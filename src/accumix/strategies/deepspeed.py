@@ -1,0 +1,427 @@
+"""DeepSpeed: ZeRO stage 1, 2 or 3 through ``deepspeed.initialize``, behind the Strategy interface.
+
+The engine does backward, gradient reduction, fp16 loss scaling, the overflow decision and the
+optimizer step itself. accumix maps its step onto the engine without a special case in the
+façade:
+
+* config: generated from accumix's settings (micro batch, K, stage, the precision's fp16/bf16
+  block with the ``DynamicLossScale`` settings); a user config is merged, and a value in it that
+  contradicts accumix's is a ``ConfigError`` naming the keys (``deepspeed_config``);
+* boundary: ``no_sync`` (off-boundary micro-steps) sets ``engine.set_gradient_accumulation_boundary
+  (False)`` and restores True, so the engine reduces (stage 1) and steps once per window however
+  long the window is: a short last window needs no counter of the engine's to line up;
+* loss: the façade multiplies by 1/K (mean mode) or 1/items hint (item mode) and nothing for the
+  loss scale (the scaler proxy's ``scale`` is 1.0); ``engine.backward(loss, scale_wrt_gas=False)``
+  adds only the engine's own fp16 scale, never a second 1/K;
+* boundary factor (short window K/k, item weighting W·hint/N): multiplied into the gradient
+  partitions the engine holds after the window's last backward, before its step reads them;
+* clipping: the engine's ``gradient_clipping`` stays 0. ``clip_grad_norm_`` takes the p-norm
+  of the partitions (all-reduced), divides by the engine's loss scale (the true norm, as torch
+  computes it), and multiplies the still-scaled partitions by ``max_norm / (norm + 1e-6)`` when
+  below 1; the engine then unscales. The result equals clipping the unscaled gradients
+  (DeepSpeed's own ``unscale_and_clip_grads`` computes the same combined factor) and the norm
+  is returned at once;
+* step: ``engine.step()``; it returns ``engine.was_step_applied()``, so an fp16 overflow (found
+  and agreed across ranks inside the engine) skips the optimizer and the scheduler alike, and
+  ``acc.loss_scale`` reads the engine's scale (DeepSpeed's hysteresis is the one DESIGN.md
+  specifies). DeepSpeed's ZeRO step (0.19) moves the loss scale *before* it unscales, so a
+  step that grows the scale would apply half the gradient; the strategy defers the engine's
+  scale update to after its step (``_defer_scale_update``).
+
+Not supported: ``offload_optimizer`` (the gradients then live in DeepSpeed's CPU buffers) and
+more than one model per strategy (one engine owns one model and one optimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from accumix.errors import ConfigError, LossScaleError
+from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
+from accumix.precision.autocast import autocast_forward
+from accumix.strategies.base import Strategy
+from accumix.strategies.deepspeed_config import (
+    deepspeed_config,
+    import_deepspeed,
+    read_user_config,
+)
+
+_TAG = "engine-{index}"
+
+
+# -- the loss scale --------------------------------------------------------------------------
+class EngineLossScale:
+    """The façade's scaler under DeepSpeed fp16: the engine scales the loss and keeps the scale.
+
+    ``scale`` is 1.0, so the façade multiplies the loss by nothing and its boundary factor
+    holds no unscaling; ``enabled`` keeps fp16's item hint (summed losses divided by the usual
+    item count, so they stay in fp16's range). ``acc.loss_scale`` reads the engine's scale
+    through ``Strategy.loss_scale``; its state is in the engine's checkpoint.
+    """
+
+    enabled = True
+    scale = 1.0
+
+    def update(self, found_inf: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# -- the strategy ----------------------------------------------------------------------------
+class DeepSpeedStrategy(Strategy):
+    """DeepSpeed's engine with ZeRO stage 1, 2 or 3 and the user's torch optimizer.
+
+    ``setup`` returns the engine as the model (call it like the model; ``acc.unwrap`` gives the
+    module) and the user's optimizer, which the engine steps on its fp32 partitions (an LR
+    scheduler built on it drives the engine's learning rate). Under ``fp16-mixed`` and
+    ``bf16-mixed`` the engine holds the model in half precision with fp32 master weights and
+    the forward runs under autocast with float32 outputs.
+
+    Stage 1 reduces gradients once per window; stages 2 and 3 reduce-scatter on every
+    micro-step (DeepSpeed's design: each rank keeps only its gradient partition), so they trade
+    traffic for memory. One process works too (a one-rank group is created for the engine).
+
+    Args:
+        stage: ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters.
+        config: more DeepSpeed settings, a dict or a JSON file path, merged over accumix's; a
+            value contradicting accumix's (batch sizes, K, stage, precision, clipping, loss
+            scale, an optimizer or scheduler block) is a ``ConfigError``.
+
+    Raises:
+        ConfigError: DeepSpeed is not installed (``pip install 'accumix[deepspeed]'``), a bad
+            stage or config, or fp16 on a device where DeepSpeed has no fp16.
+    """
+
+    name = "deepspeed"
+
+    def __init__(self, *, stage: int = 2, config: dict[str, Any] | str | Path | None = None
+                 ) -> None:
+        super().__init__()
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ConfigError(f"DeepSpeedStrategy(stage={stage!r}) is invalid; use 1, 2 or 3")
+        self.stage = stage
+        self.user_config = read_user_config(config)
+        import_deepspeed()  # fail at construction, not at the first setup
+        self._fp16: DynamicLossScale | None = None
+        self._engines: list[Any] = []
+        self._engine_of: dict[int, Any] = {}  # id(user's optimizer) -> engine
+        self._scale_updates: dict[int, Callable[[], None]] = {}  # id(engine) -> deferred update
+        self._owns_group = False
+
+    def connect(self, *, launch: Any, device: torch.device, policy: Policy,
+                scaler: LossScaler) -> None:
+        super().connect(launch=launch, device=device, policy=policy, scaler=scaler)
+        if isinstance(scaler, DynamicLossScale):
+            self._fp16 = scaler
+            self.scaler = EngineLossScale()
+        else:
+            self.scaler = NoLossScale()
+
+    @property
+    def loss_scale(self) -> float | None:
+        if self._fp16 is None:
+            return None
+        if not self._engines:
+            return float(self._fp16.init_scale)
+        return float(self._engines[0].optimizer.loss_scale)
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizers: list[Optimizer]
+              ) -> tuple[nn.Module, list[Optimizer]]:
+        if self._engines:
+            raise ConfigError("strategy='deepspeed' trains one model (one engine); set up one "
+                              "model, or use strategy='fsdp' for several")
+        if len(optimizers) != 1:
+            raise ConfigError(
+                f"strategy='deepspeed' needs exactly one optimizer over the model, set up in the "
+                f"same acc.setup call; got {len(optimizers)}"
+            )
+        assert self.policy is not None
+        deepspeed = import_deepspeed()
+        config = deepspeed_config(
+            stage=self.stage, grad_accum_steps=self.grad_accum_steps,
+            micro_batch_size=self.micro_batch_size, dp_world_size=self.dp_world_size,
+            policy=self.policy, loss_scale=self._fp16, user_config=self.user_config,
+        )
+        self._ensure_process_group()
+        _skip_cpu_shm_build()
+        model = autocast_forward(model.to(self.device), self.policy, self.device)
+        try:
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers[0],
+                                              config=config)
+        except ValueError as exc:
+            if "fp16 is not supported" in str(exc):
+                raise ConfigError(
+                    f"precision='fp16-mixed' with strategy='deepspeed': DeepSpeed has no fp16 on "
+                    f"{self.device} ({exc}); use precision='bf16-mixed'"
+                ) from exc
+            raise
+        engine.set_gradient_accumulation_boundary(True)
+        _read_weights_only(engine)
+        self._scale_updates[id(engine)] = _defer_scale_update(engine.optimizer)
+        self._engines.append(engine)
+        self._engine_of[id(optimizers[0])] = engine
+        return engine, optimizers
+
+    def _ensure_process_group(self) -> None:
+        # DeepSpeed's comm layer wraps torch.distributed's default group; one process launched
+        # without torchrun has none, so a one-rank group on an in-memory store stands in.
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._owns_group = True
+        # DeepSpeed asserts LOCAL_RANK is set; accumix may have found it elsewhere (SLURM, MPI).
+        os.environ.setdefault("LOCAL_RANK", str(self.launch.local_rank))
+
+    def setup_late_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        raise ConfigError("strategy='deepspeed' builds the engine from the model and its "
+                          "optimizer: set them up in the same acc.setup call")
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model) if model in self._engines else model
+
+    def _engine(self, model: nn.Module | None) -> Any:
+        if model is not None and model in self._engines:
+            return model
+        if not self._engines:
+            raise ConfigError("strategy='deepspeed': set up the model before the step")
+        return self._engines[0]
+
+    # -- the step ------------------------------------------------------------------------------
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return _off_boundary(self._engine(model))
+
+    def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
+        # The façade already divided by K (or the item hint); the engine adds only its fp16 scale.
+        self._engine(model).backward(loss, scale_wrt_gas=False)
+
+    def local_grads(self, params: Any = None) -> list[torch.Tensor]:
+        """The gradient partitions this rank's engine holds after the window's last backward."""
+        return [g for engine in self._engines for g in _partition_grads(engine.optimizer)]
+
+    def finalize_gradients(self, params: list[nn.Parameter], factor: float | torch.Tensor
+                           ) -> torch.Tensor | None:
+        if isinstance(factor, torch.Tensor) or factor != 1.0:
+            grads = self.local_grads()
+            if grads:
+                factor = float(factor)  # one number for every dtype the partitions have
+                torch._foreach_mul_(grads, factor)
+        return None  # the engine finds (and agrees on) an fp16 overflow inside its step
+
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float, norm_type: float
+                        ) -> torch.Tensor:
+        """The true norm of every gradient the engine holds (``params`` cannot pick a subset:
+        the partitions are flat), from the still-scaled partitions; clips them in place."""
+        grads = [g.detach() for g in self.local_grads()]
+        device = grads[0].device if grads else self.device
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else (
+                torch.zeros((), device=device))
+            total = self.all_reduce(local.reshape(1), "max")[0]
+        else:
+            local = sum((torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
+                         for g in grads), torch.zeros((), device=device))
+            total = self.all_reduce(local.reshape(1), "sum")[0] ** (1.0 / norm_type)
+        scale = self.loss_scale or 1.0
+        norm = total / scale
+        coef = max_norm / (norm + 1e-6)
+        if grads and bool(coef < 1):  # clipping the scaled partitions = clipping the true ones
+            torch._foreach_mul_(grads, coef.item())
+        return norm
+
+    def optimizer_step(self, optimizer: Optimizer, *, skip: bool, closure: Any = None) -> bool:
+        if closure is not None:
+            raise ConfigError("strategy='deepspeed' steps without a closure; call "
+                              "optimizer.step() with no argument")
+        # ``skip`` is always False here: finalize_gradients returns no overflow flag, the
+        # engine decides inside its step (and must step anyway to move its loss scale).
+        engine = self._engine_of.get(id(optimizer))
+        engine = self._engine(None) if engine is None else engine
+        try:
+            engine.step()
+            self._scale_updates[id(engine)]()
+        except Exception as exc:
+            if "loss scale already at minimum" not in str(exc):
+                raise
+            raise LossScaleError(
+                "fp16 gradients overflowed with DeepSpeed's loss scale at its floor "
+                f"min_scale={engine.optimizer.loss_scale}: the model's values exceed fp16's "
+                "range; train with precision='bf16-mixed' (or lower the learning rate)"
+            ) from exc
+        engine.set_gradient_accumulation_boundary(True)
+        return bool(engine.was_step_applied())
+
+    def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
+        """Nothing: the engine clears its gradients inside every step, applied or skipped."""
+
+    # -- state ---------------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's state dict with every trainable parameter as its full fp32 master
+        weight (gathered across partitions: collective), buffers as the module holds them."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self._engine(model).module
+        gather: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        if self.stage == 3 and frozen:  # trainable ones come one at a time from their masters
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(frozen)
+        with gather:  # ZeRO-3 re-partitions on exit: keep copies
+            state = {k: v.detach().clone() if self.stage == 3 else v.detach()
+                     for k, v in module.state_dict().items()}
+        names: dict[int, list[str]] = {id(p): [] for p in module.parameters()}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names[id(p)].append(name)
+        for p in module.parameters():
+            full = safe_get_full_fp32_param(p) if p.requires_grad else None
+            if full is not None:
+                for name in names[id(p)]:
+                    state[name] = full.detach().reshape(p.ds_shape if hasattr(p, "ds_shape")
+                                                        else p.shape).clone()
+        return state
+
+    def save_checkpoint(self, directory: str, models: list[nn.Module],
+                        optimizers: list[Optimizer]) -> None:
+        """The engine's own checkpoint (``engine.save_checkpoint`` under the tag ``engine-0``):
+        module, ZeRO-partitioned optimizer states with fp32 masters, loss scaler, step counters.
+        Collective; each rank writes its partition."""
+        for index, model in enumerate(models):
+            self._engine(model).save_checkpoint(directory, tag=_TAG.format(index=index),
+                                                save_latest=False)
+
+    def load_checkpoint(self, directory: str, models: list[nn.Module],
+                        optimizers: list[Optimizer]) -> None:
+        """Reads what ``save_checkpoint`` wrote through ``engine.load_checkpoint``, every file
+        with ``torch.load(weights_only=True)`` (DeepSpeed's four state classes allowed).
+
+        Raises:
+            ConfigError: the checkpoint was saved on another data-parallel world size
+                (DeepSpeed's partitions do not reshard; convert it with DeepSpeed's universal
+                checkpoint tools), or the tag is missing.
+        """
+        for index, model in enumerate(models):
+            engine, tag = self._engine(model), _TAG.format(index=index)
+            saved_world = len(list((Path(directory) / tag).glob("*zero_pp_rank_*_optim_states.pt")))
+            if saved_world != self.dp_world_size:
+                raise ConfigError(
+                    f"{directory}/{tag} holds DeepSpeed partitions of {saved_world} ranks, this "
+                    f"run has {self.dp_world_size}; resume on {saved_world} ranks"
+                )
+            path, _ = engine.load_checkpoint(directory, tag=tag, load_module_strict=True,
+                                             load_optimizer_states=True,
+                                             load_lr_scheduler_states=False)
+            if path is None:
+                raise ConfigError(f"{directory}/{tag} holds no DeepSpeed checkpoint")
+            engine.set_gradient_accumulation_boundary(True)
+
+    def teardown(self) -> None:
+        for engine in self._engines:
+            with contextlib.suppress(Exception):
+                engine.destroy()
+        self._engines.clear()
+        self._engine_of.clear()
+        # DeepSpeed caches a clone of the world group per process; the Accelerator may destroy
+        # the world next, and an engine built later (a new Accelerator) must not use the stale
+        # clone. deepspeed.comm.destroy_process_group does the same release.
+        from deepspeed.utils import groups
+
+        release = getattr(groups, "_release_process_group_references", None)
+        if release is not None:
+            release()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+@contextlib.contextmanager
+def _off_boundary(engine: Any) -> Iterator[None]:
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(True)
+
+
+def _partition_grads(optimizer: Any) -> list[torch.Tensor]:
+    """The gradients a DeepSpeed optimizer will step with, this rank's partition only."""
+    if getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer", False):
+        raise ConfigError("zero_optimization.offload_optimizer is not supported by "
+                          "strategy='deepspeed' in accumix; remove it from the config")
+    if hasattr(optimizer, "averaged_gradients"):  # ZeRO 1/2 (DeepSpeedZeroOptimizer) and 3
+        return [g for grads in optimizer.averaged_gradients.values() if grads is not None
+                for g in grads if g is not None]
+    if hasattr(optimizer, "fp32_groups_gradient_flat_partition"):  # BF16_Optimizer (stage 1)
+        return list(optimizer.fp32_groups_gradient_flat_partition)
+    raise ConfigError(f"strategy='deepspeed' does not know where {type(optimizer).__name__} "
+                      "keeps its gradients; use ZeRO stage 1, 2 or 3 without offload")
+
+
+def _skip_cpu_shm_build() -> None:
+    # On the CPU accelerator DeepSpeed's comm layer JIT-compiles a shared-memory all-reduce
+    # kernel (minutes on first use, needs a compiler) that only its inference all-reduce
+    # uses; training reduces through torch.distributed, so mark it unavailable. DeepSpeed
+    # keeps one dict of compatible ops for the process and reads it when it builds the op.
+    from deepspeed import ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _load_weights_only(path: str, map_location: Any = None) -> Any:
+    """DeepSpeed's checkpoint read without unpickling arbitrary objects (DESIGN.md rule 6):
+    tensors, containers and the four plain state classes DeepSpeed's ZeRO files hold."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def _read_weights_only(engine: Any) -> None:
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+        TorchCheckpointEngine,
+    )
+
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:  # the default; others left be
+        engine.checkpoint_engine.load = _load_weights_only
+
+
+def _defer_scale_update(optimizer: Any) -> Callable[[], None]:
+    """Moves a ZeRO optimizer's loss-scale update from inside its step to after it.
+
+    DeepSpeed's ZeRO ``step`` (stages 1-3, 0.19) calls ``_update_scale`` before
+    ``unscale_and_clip_grads``, which divides by the *updated* scale: on a step where the scale
+    doubles, the optimizer gets half the gradient (and stage 3 reports half the norm). Nothing
+    in the step after that call reads the new scale for the skip path, so the update is
+    recorded there and applied once the step is done. Returns what applies it.
+    """
+    update = getattr(optimizer, "_update_scale", None)
+    if update is None or not getattr(optimizer, "dynamic_loss_scale", False):
+        return lambda: None
+    pending: list[bool] = []
+    optimizer._update_scale = pending.append  # the instance attribute shadows the method
+
+    def apply() -> None:
+        while pending:
+            update(pending.pop(0))
+
+    return apply

@@ -1,0 +1,243 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer states
+sharded over the ranks, whole blocks all-gathered around their forward and backward."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
+
+from accumix.errors import ConfigError
+from accumix.memory import repeated_blocks
+from accumix.strategies.base import Strategy
+
+SHARDINGS = ("full", "grad_op")
+ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2 over all ranks: ZeRO-3 (``"full"``) or ZeRO-2-like (``"grad_op"``) sharding.
+
+    Each repeated block (the class that repeats, e.g. transformer layers) becomes one FSDP unit
+    and the root holds the rest; its parameters are all-gathered in the compute dtype around the
+    block's forward and backward, and its gradients reduce-scattered in ``reduce_dtype``. The
+    optimizer the user built over the plain parameters is re-pointed to the sharded ones, so its
+    states live on one shard per rank. The model is sharded in place: ``acc.unwrap(model)`` is
+    the user's module, its parameters DTensor shards (``.full_tensor()`` gathers one), its
+    ``state_dict`` keys unchanged; ``acc.save_model`` gathers the full state dict to rank 0.
+
+    Accumulation: off the boundary, ``set_requires_gradient_sync(False)`` keeps each rank's
+    gradients local and *unsharded* (the full model's gradients on every rank, summed by
+    autograd), and the boundary's backward reduce-scatters the window once: 1 gradient
+    reduction per optimizer step, but gradient memory of DDP during the window.
+    ``sync_each_microstep=True`` instead reduce-scatters every micro-step into the sharded
+    gradients: only 1/W of the gradients stay between micro-steps (the memory ZeRO-2/3 promise),
+    for K times the gradient traffic. Both give the same result.
+
+    On one process nothing is sharded (the model trains as with ``"single"``).
+
+    Args:
+        sharding: ``"full"`` reshards parameters after each unit's forward and gathers them again
+            for its backward (least memory); ``"grad_op"`` keeps them gathered from forward to
+            backward (one all-gather per unit per micro-step instead of two).
+        wrap: module classes to make FSDP units (e.g. ``[TransformerBlock]``); None finds the
+            repeated blocks (``accumix.memory.repeated_blocks``). The root is always a unit.
+        parallelize_fn: ``fn(model, mesh) -> model`` applying ``fully_shard`` itself
+            (torchtitan style), instead of ``wrap``; mixed precision is then its own business.
+        reduce_dtype: dtype of the gradient reduce-scatter; None takes the precision policy's
+            (float32, except bfloat16 for ``"bf16-true"``).
+        sync_each_microstep: reduce-scatter on every micro-step (see above).
+        activation_checkpointing: recompute each wrapped block's activations in backward
+            (``torch.utils.checkpoint``, non-reentrant) instead of storing them.
+
+    Raises:
+        ConfigError: an unknown sharding, a ``wrap`` that is not a list of module classes, both
+            ``wrap`` and ``parallelize_fn``, or a ``reduce_dtype`` that is not a torch dtype.
+    """
+
+    name = "fsdp"
+
+    def __init__(
+        self,
+        *,
+        sharding: str = "full",
+        wrap: list[type[nn.Module]] | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        sync_each_microstep: bool = False,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        if sharding not in SHARDINGS:
+            raise ConfigError(f"FSDPStrategy(sharding={sharding!r}) is invalid; use 'full' or "
+                              "'grad_op'")
+        if wrap is not None and not (
+            isinstance(wrap, (list, tuple))
+            and all(isinstance(c, type) and issubclass(c, nn.Module) for c in wrap)
+        ):
+            raise ConfigError(f"FSDPStrategy(wrap={wrap!r}) is invalid; use a list of nn.Module "
+                              "classes, e.g. [MyBlock], or None to find the repeated blocks")
+        if wrap is not None and parallelize_fn is not None:
+            raise ConfigError("FSDPStrategy got both wrap= and parallelize_fn=; give one: "
+                              "parallelize_fn applies fully_shard itself")
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise ConfigError(f"FSDPStrategy(parallelize_fn={parallelize_fn!r}) is not callable; "
+                              "pass fn(model, mesh) -> model")
+        if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
+            raise ConfigError(f"FSDPStrategy(reduce_dtype={reduce_dtype!r}) is invalid; use a "
+                              "torch dtype such as torch.float32, or None")
+        self.sharding = sharding
+        self.wrap = tuple(wrap) if wrap is not None else None
+        self.parallelize_fn = parallelize_fn
+        self.reduce_dtype = reduce_dtype
+        self.sync_each_microstep = sync_each_microstep
+        self.activation_checkpointing = activation_checkpointing
+        self.mesh: DeviceMesh | None = None
+        self._units: dict[int, list[FSDPModule]] = {}  # id(root) -> its FSDP units
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(
+        self, model: nn.Module, optimizers: list[Optimizer]
+    ) -> tuple[nn.Module, list[Optimizer]]:
+        if not self._distributed:
+            return self.prepare_module(model), optimizers
+        assert self.policy is not None
+        names = {id(p): name for name, p in model.named_parameters()}
+        model = model.to(device=self.device)
+        if self.policy.param_dtype != torch.float32:
+            model = model.to(dtype=self.policy.param_dtype)  # bf16-true: stored in bf16
+        blocks = self._blocks(model)
+        if self.activation_checkpointing:
+            for block in blocks:
+                _checkpoint_forward(block)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        if self.parallelize_fn is not None:
+            model = self.parallelize_fn(model, self.mesh)
+        else:
+            model = self._shard(model, blocks)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise ConfigError("parallelize_fn returned a model without any fully_shard unit; "
+                              "call fully_shard(module, mesh=mesh) inside it")
+        self._units[id(model)] = units
+        new_params = dict(model.named_parameters())
+        for optimizer in optimizers:
+            _repoint(optimizer, names, new_params)
+        return model, optimizers
+
+    def _blocks(self, model: nn.Module) -> list[nn.Module]:
+        if self.wrap is None:
+            blocks = repeated_blocks(model)
+        else:
+            blocks = [m for m in model.modules() if isinstance(m, self.wrap) and m is not model]
+        # A parameter tied across units (an embedding shared with the output head) must live in
+        # one unit: such a block stays in the root, which holds both ends.
+        return [b for b in blocks if not _tied_outside(model, b)]
+
+    def _shard(self, model: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        assert self.policy is not None
+        policy = self.policy
+        # Gathered in the compute dtype; a unit whose stored dtype is already that casts nothing
+        # but still casts floating inputs to it (bf16-true takes float32 batches).
+        param_dtype = policy.compute_dtype
+        reduce_dtype = self.reduce_dtype or policy.reduce_dtype
+        # Only the root casts its outputs back (to float32 for the loss); blocks hand the compute
+        # dtype to each other without a round trip.
+        inner = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        outer = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                     output_dtype=policy.output_dtype)
+        reshard = self.sharding == "full"
+        # fully_shard goes bottom-up: a unit's parameters exclude those of units inside it.
+        ids = {id(b) for b in blocks}
+        for module in reversed(list(model.modules())):
+            if id(module) in ids:
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard,
+                            mp_policy=inner)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=outer)
+        return model
+
+    # -- the step ------------------------------------------------------------------------------
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        units = self._units.get(id(model))
+        if not units or self.sync_each_microstep:
+            return contextlib.nullcontext()
+        return _gradient_sync_off(units)
+
+    def local_grads(self, params: Any) -> list[torch.Tensor]:
+        # The rank's own shard: a DTensor's local tensor shares its storage, so rescaling it in
+        # place rescales the sharded gradient.
+        return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                for p in params if p.grad is not None]
+
+    def reduce_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
+        # Each rank checked only its shard: an overflow one rank sees must skip every rank.
+        return self.all_reduce(found_inf, "max")
+
+    def clip_grad_norm_(
+        self, params: list[nn.Parameter], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        # torch sums the shards' norms over the mesh for DTensor gradients; the result is a
+        # replicated DTensor, returned as the plain tensor users expect.
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    # -- state ---------------------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if not self._units.get(id(model)):
+            return super().full_state_dict(model)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)  # complete on rank 0, empty elsewhere
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(units: list[FSDPModule]) -> Iterator[None]:
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
+
+
+def _tied_outside(model: nn.Module, block: nn.Module) -> bool:
+    inside = {id(m) for m in block.modules()}
+    mine = {id(p) for p in block.parameters()}
+    return any(id(p) in mine for m in model.modules() if id(m) not in inside
+               for p in m.parameters(recurse=False))
+
+
+def _repoint(optimizer: Optimizer, names: dict[int, str], params: dict[str, nn.Parameter]
+             ) -> None:
+    """Points an optimizer built over the plain parameters at the sharded ones, by name."""
+    if optimizer.state:
+        raise ConfigError(f"{type(optimizer).__name__} already holds state; set it up with its "
+                          "model before its first step")
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if names.get(id(p)) not in params]
+        if missing:
+            raise ConfigError(f"{type(optimizer).__name__} holds {len(missing)} parameter(s) "
+                              "that are not the model's; build it over model.parameters()")
+        group["params"] = [params[names[id(p)]] for p in group["params"]]
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Recomputes ``module``'s forward in backward. The instance's ``forward`` is replaced, so
+    parameter names (and state_dict keys) stay the user's, unlike a wrapper module."""
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]

@@ -1,0 +1,114 @@
+"""Validation over all ranks: each rank takes every W-th sample, no sample twice, in lockstep.
+
+A ``DistributedSampler`` pads the last shard with repeated samples, which biases a validation
+loss; here each rank gets ``range(rank, N, W)`` and the loss is the exact item-weighted (or
+sample-weighted) mean over the whole set. Sharded backends (FSDP, ZeRO-3) run collectives inside
+the forward, so every rank runs the same number of forwards: a rank with fewer batches repeats
+its last one with weight 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, Subset
+
+from accumix.data import move_to_device
+from accumix.trainer.metrics import batch_samples, split_loss
+
+
+def shard_for_eval(loader: DataLoader, rank: int, world_size: int) -> tuple[DataLoader, int]:
+    """This rank's share of a validation loader, and the most batches any rank gets.
+
+    Args:
+        loader: the user's (unsharded) validation DataLoader.
+        rank: this rank.
+        world_size: the number of ranks.
+
+    Returns:
+        ``(loader, max_batches)``; an iterable dataset or a custom batch sampler cannot be split,
+        so every rank then runs the whole loader (``max_batches`` is -1: each rank's own count).
+    """
+    if world_size == 1 or isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
+        return loader, -1
+    size = len(loader.dataset)  # type: ignore[arg-type]
+    batch = loader.batch_size
+
+    def batches(r: int) -> int:
+        n = len(range(r, size, world_size))
+        return n // batch if loader.drop_last else math.ceil(n / batch)
+
+    shard = DataLoader(
+        Subset(loader.dataset, range(rank, size, world_size)),
+        batch_size=batch,
+        shuffle=False,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+    )
+    return shard, max(batches(r) for r in range(world_size))
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loader: DataLoader,
+    step_fn: Callable[[nn.Module, Any], Any],
+    accelerator: Any,
+    *,
+    max_batches: int = -1,
+    sharded: bool = True,
+) -> dict[str, float]:
+    """The validation loss over the whole set, the same on every rank.
+
+    Args:
+        model: the set-up model (evaluated in ``eval()`` mode, then put back in ``train()``).
+        loader: this rank's share (from ``shard_for_eval``).
+        step_fn: ``fn(model, batch)`` returning a mean loss or ``(loss_sum, num_items)``.
+        accelerator: the run's Accelerator (device and all-reduce).
+        max_batches: forwards every rank runs (-1: this loader's own length).
+        sharded: the ranks hold different samples, so their sums are all-reduced.
+
+    Returns:
+        ``{"val_loss": ..., "val_items": ...}``: the sum of losses over the sum of items (or the
+        sample-weighted mean of batch means).
+    """
+    was_training = model.training
+    model.eval()
+    device = accelerator.device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    last: Any = None
+    iterator = iter(loader)
+    index = 0
+    try:
+        while max_batches < 0 or index < max_batches:
+            batch = next(iterator, None)
+            weight = 1.0
+            if batch is None:
+                if max_batches < 0:
+                    break
+                batch, weight = last, 0.0  # keep in step with ranks that have more batches
+                if batch is None:  # this rank has no samples at all
+                    batch = next(iter(DataLoader(loader.dataset.dataset, batch_size=1,
+                                                 collate_fn=loader.collate_fn)))
+            last = batch
+            batch = move_to_device(batch, device)
+            loss, items = split_loss(step_fn(model, batch))
+            if items is None:  # a batch mean: weigh it by its samples
+                items = batch_samples(batch)
+                loss = loss.detach().double() * items
+            count = items.detach().double() if isinstance(items, torch.Tensor) else float(items)
+            total[0] += loss.detach().double() * weight
+            total[1] += count * weight
+            index += 1
+    finally:
+        model.train(was_training)
+    if sharded:
+        total = accelerator.reduce(total, "sum")
+    loss_sum, count = total.tolist()
+    return {"val_loss": loss_sum / count if count > 0 else math.nan, "val_items": count}

@@ -1,0 +1,206 @@
+"""Metric loggers: one row per optimizer step into ``metrics.csv``, ``metrics.jsonl``, TensorBoard.
+
+Loggers run on rank 0 only, after every callback had its ``on_optimizer_step`` (so columns that
+callbacks add, and the ``val_loss`` of an evaluation at that step, are in the same row). A resumed
+run keeps the rows up to the step it resumed from and drops the rest, so the files always
+describe one history.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from typing_extensions import override
+
+from accumix.errors import ConfigError
+
+LOGGER_WORDS = ("csv", "jsonl", "tensorboard")
+
+
+class MetricLogger:
+    """Receives each step's row; subclasses write it somewhere."""
+
+    def open(self, run_dir: Path, *, resume_step: int) -> None:
+        """Called once before the first row.
+
+        Args:
+            run_dir: the run directory.
+            resume_step: the step the run resumed from (0 for a fresh run): rows after it are
+                stale and are dropped.
+        """
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Writes one row (keys: column names; None for a missing value)."""
+
+    def close(self) -> None:
+        """Flushes and closes."""
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf literals
+    return value
+
+
+class CSVLogger(MetricLogger):
+    """``run_dir/metrics.csv``: a header, then one row per optimizer step, flushed each row.
+
+    When a row brings a new column (say ``val_loss`` at the first evaluation), the file is
+    rewritten with the wider header, so every row has every column.
+
+    Args:
+        filename: the file name inside the run directory.
+    """
+
+    def __init__(self, filename: str = "metrics.csv") -> None:
+        self.filename = filename
+        self.path: Path | None = None
+        self._columns: list[str] = []
+        self._rows: list[dict[str, Any]] = []
+        self._file: Any = None
+
+    @override
+    def open(self, run_dir: Path, *, resume_step: int) -> None:
+        self.path = Path(run_dir) / self.filename
+        self._rows = []
+        if resume_step > 0 and self.path.exists():
+            with self.path.open(newline="") as f:
+                self._rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        self._columns = list(self._rows[0]) if self._rows else []
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        assert self.path is not None
+        if self._file is not None:
+            self._file.close()
+        self._file = self.path.open("w", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
+        if self._columns:
+            self._writer.writeheader()
+            self._writer.writerows(self._rows)
+        self._file.flush()
+
+    @override
+    def log(self, row: dict[str, Any]) -> None:
+        clean = {k: ("" if v is None else v) for k, v in row.items()}
+        self._rows.append(clean)
+        new = [k for k in clean if k not in self._columns]
+        if new:
+            self._columns += new
+            self._rewrite()
+        else:
+            self._writer.writerow(clean)
+            self._file.flush()
+
+    @override
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class JSONLLogger(MetricLogger):
+    """``run_dir/metrics.jsonl``: one JSON object per optimizer step (NaN written as "nan")."""
+
+    def __init__(self, filename: str = "metrics.jsonl") -> None:
+        self.filename = filename
+        self._file: Any = None
+
+    @override
+    def open(self, run_dir: Path, *, resume_step: int) -> None:
+        path = Path(run_dir) / self.filename
+        kept: list[str] = []
+        if resume_step > 0 and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+        self._file = path.open("w")
+        self._file.write("".join(line + "\n" for line in kept))
+        self._file.flush()
+
+    @override
+    def log(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _number(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+
+    @override
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def tensorboard_available() -> bool:
+    """Whether the ``tensorboard`` package (needed by ``torch.utils.tensorboard``) is installed."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+class TensorBoardLogger(MetricLogger):
+    """Scalars into ``run_dir/tensorboard/`` (``pip install 'accumix[tensorboard]'``).
+
+    Raises:
+        ConfigError: tensorboard is not installed.
+    """
+
+    def __init__(self, subdir: str = "tensorboard") -> None:
+        if not tensorboard_available():
+            raise ConfigError(
+                "the tensorboard logger needs the tensorboard package; "
+                "pip install 'accumix[tensorboard]' or drop 'tensorboard' from loggers"
+            )
+        self.subdir = subdir
+        self._writer: Any = None
+
+    @override
+    def open(self, run_dir: Path, *, resume_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(Path(run_dir) / self.subdir), purge_step=resume_step + 1
+                                     if resume_step else None)
+
+    @override
+    def log(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, step)
+
+    @override
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def resolve_loggers(loggers: Sequence[str | MetricLogger] | None) -> list[MetricLogger]:
+    """Turns logger words into loggers; the one place that knows them.
+
+    Args:
+        loggers: words from ``LOGGER_WORDS`` or ``MetricLogger`` objects; None for the default
+            (csv and jsonl, plus tensorboard when it is installed).
+
+    Raises:
+        ConfigError: an unknown word, or tensorboard asked for but not installed.
+    """
+    if loggers is None:
+        loggers = ["csv", "jsonl", *(["tensorboard"] if tensorboard_available() else [])]
+    out: list[MetricLogger] = []
+    for item in loggers:
+        if isinstance(item, MetricLogger):
+            out.append(item)
+        elif item == "csv":
+            out.append(CSVLogger())
+        elif item == "jsonl":
+            out.append(JSONLLogger())
+        elif item == "tensorboard":
+            out.append(TensorBoardLogger())
+        else:
+            raise ConfigError(
+                f"unknown logger {item!r}; use {', '.join(LOGGER_WORDS)} or a MetricLogger"
+            )
+    return out

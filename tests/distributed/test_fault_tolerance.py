@@ -1,0 +1,80 @@
+"""Killed, pre-empted and hung workers under torchrun's elastic agent (2 ranks on gloo).
+
+The job is tests/scripts/resumable_train.py: it auto-resumes from ``RUN_DIR/latest``, saves
+every 2 steps and turns SIGTERM into a save at the next boundary (``acc.handle_preemption``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from accumix.testing import free_port
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "resumable_train.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _launch(run_dir: Path, *args: str, max_restarts: int = 0, timeout: float = 120.0
+            ) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(SCRIPT), str(run_dir), *args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+
+
+def _final(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def test_sigkill_restart_and_sigterm_resume_bit_identical(tmp_path: Path) -> None:
+    # Attempt 0: rank 1 is SIGKILLed one micro-step after step 3 (latest: step-2). The agent
+    # restarts both; attempt 1 resumes from step-2, and rank 1 gets SIGTERM one micro-step
+    # after step 5: both ranks save at the step-6 boundary and exit 0.
+    run = tmp_path / "run"
+    hurt = _launch(run, "--kill-at", "3", "--term-at", "5", max_restarts=1)
+    assert hurt.returncode == 0, hurt.stderr[-3000:]
+    events = (run / "events.txt").read_text().splitlines()
+    assert events == ["attempt 0 resumed -", "attempt 1 resumed step-2"], events
+    assert (run / "latest").read_text().strip() == "step-6"
+    assert "rank 1 pre-empted; saved" in hurt.stderr and "rank 0 pre-empted" in hurt.stderr
+    # Rank 0 named the dead rank (gloo's "Connection closed by peer" names none).
+    assert "rank(s) 1 stopped responding" in hurt.stderr, hurt.stderr[-3000:]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == [
+        "step-4", "step-6"]  # keep_last=2
+
+    # Resume to the end; the same processes then train the job uninterrupted (the reference).
+    done = _launch(run, "--reference", str(tmp_path / "ref"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run / "events.txt").read_text().splitlines()[2:] == [
+        "attempt 0 resumed step-6", "attempt 0 finished at step 8"]
+    expected, got = load_file(str(tmp_path / "ref" / "model.safetensors")), _final(run)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+def test_hung_rank_stops_every_process_within_the_timeout(tmp_path: Path) -> None:
+    timeout = 3.0
+    run = tmp_path / "hang"
+    result = _launch(run, "--hang-at", "2", "--timeout", str(timeout), timeout=90)
+    stopped = time.time()
+    assert result.returncode != 0
+    hung_for = stopped - float((run / "hang_started").read_text())
+    # gloo's timeout on rank 0, the diagnosis (2.5 heartbeats of 0.3 s), rank 1's watchdog.
+    assert hung_for < timeout + 8.0, hung_for
+    assert ("rank(s) 1 are alive but stuck behind (rank 1 at 2 windows done + 1 micro-step(s))"
+            in result.stderr), result.stderr[-3000:]
+    # Both workers ended with a failure (rank 1 by its watchdog or by the agent).
+    assert result.stderr.count("exitcode  : ") == 2, result.stderr[-2000:]
+    assert "exitcode  : 0" not in result.stderr

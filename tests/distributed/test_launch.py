@@ -1,0 +1,82 @@
+"""``accumix launch``: 2 ranks on one node; two single-rank agents (``--nnodes 2``) on loopback
+make one world of 2; a failing rank is named and fails the launch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from accumix.testing import free_port
+
+ACCUMIX = [sys.executable, "-m", "accumix.cli.main"]
+
+# Each rank joins through the Accelerator (which reads torchrun's variables), sums rank + 1 over
+# the world, and writes what it saw.
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import accumix as ax
+
+    acc = ax.Accelerator(precision="fp32")
+    total = acc.reduce(torch.tensor(float(acc.rank + 1)), "sum").item()
+    out = {"rank": acc.rank, "world": acc.world_size, "sum": total, "args": sys.argv[1:],
+           "threads": torch.get_num_threads(), "addr": os.environ["MASTER_ADDR"]}
+    with open(os.path.join(os.environ["OUT_DIR"], f"rank{acc.rank}.json"), "w") as f:
+        json.dump(out, f)
+    acc.end()
+""")
+
+
+def _results(out_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+
+
+def test_launch_two_ranks_on_one_node(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([*ACCUMIX, "launch", "--nproc", "2", str(script), "--lr", "0.1"],
+                          env={**_env(), "OUT_DIR": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    results = _results(tmp_path)
+    assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert all(r["args"] == ["--lr", "0.1"] and r["addr"] == "127.0.0.1" for r in results)
+
+
+def test_two_agents_with_nnodes_2_make_one_world(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    port = str(free_port())
+    agents = [
+        subprocess.Popen([*ACCUMIX, "launch", "--nproc", "1", "--nnodes", "2", "--node-rank",
+                          str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+                          str(script)], env={**_env(), "OUT_DIR": str(tmp_path)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)
+    ]
+    outputs = [agent.communicate(timeout=120) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    results = _results(tmp_path)
+    assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_a_failing_rank_fails_the_launch_with_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    done = subprocess.run([*ACCUMIX, "launch", "--nproc", "2", str(script)], env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "accumix launch: rank 1 exited with status 3" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "OMP_NUM_THREADS")}
+    return env

@@ -1,0 +1,137 @@
+"""A small resumable training job: the checkpoint tests import it, the fault tests launch it.
+
+Dropout, a shuffled loader, AdamW, an LR scheduler and K=3: everything an exact resume has to
+restore. As a script it auto-resumes from ``RUN_DIR/latest`` and can hurt itself on purpose::
+
+    python -m torch.distributed.run --nproc-per-node 2 --max-restarts 1 \\
+        tests/scripts/resumable_train.py RUN_DIR [--kill-at N] [--term-at N] [--hang-at N]
+
+``--kill-at N``: on the first attempt, rank 1 SIGKILLs itself one micro-step after step N.
+``--term-at N``: on a restarted attempt, rank 1 sends itself SIGTERM one micro-step after
+step N (pre-emption: every rank saves at the next boundary and exits 0).
+``--hang-at N``: rank 1 sleeps forever after step N. Rank 0 writes ``RUN_DIR/final`` (the
+model's safetensors) at the end and appends what happened to ``RUN_DIR/events.txt``;
+``--reference DIR`` then trains the same job uninterrupted in the same processes and writes it
+to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from collections.abc import Callable, Container
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import accumix as ax
+from accumix.checkpoint import latest_checkpoint
+
+MICRO_BATCH, STEPS = 2, 3  # 48 samples on 2 ranks: 4 windows an epoch
+
+
+def dataset(n: int = 48) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    y = (x @ torch.randn(6, 1, generator=g)).tanh()
+    return TensorDataset(x, y)
+
+
+def build(acc: ax.Accelerator, *, dropout: float = 0.2, micro_batch: int = MICRO_BATCH
+          ) -> tuple[Any, ...]:
+    """Model, optimizer, loader and scheduler, set up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    loader = DataLoader(dataset(), batch_size=micro_batch, shuffle=True)
+    return acc.setup(model, opt, loader, sched)
+
+
+def train(acc: ax.Accelerator, objects: tuple[Any, ...], *, epochs: int,
+          stop_at: int | None = None, save_at: Container[int] = (),
+          run_dir: str | os.PathLike[str] | None = None,
+          after_micro_step: Callable[[ax.Accelerator], None] | None = None) -> None:
+    """The loop of DESIGN.md; saves after the steps in ``save_at``, returns after ``stop_at``."""
+    model, opt, loader, sched = objects
+    for _ in range(loader.epoch, epochs):
+        for x, y in loader:
+            with acc.accumulate():
+                acc.backward(nn.functional.mse_loss(model(x), y))
+                acc.clip_grad_norm_(1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            if acc.sync_gradients:
+                if acc.optimizer_steps in save_at:
+                    acc.save_state(run_dir, keep_last=2)
+                if acc.optimizer_steps == stop_at:
+                    return
+            if after_micro_step is not None:
+                after_micro_step(acc)
+
+
+def params(acc: ax.Accelerator, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full parameters (collective; complete on rank 0)."""
+    return {k: v.detach().clone() for k, v in acc.strategy.full_state_dict(model).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--term-at", type=int)
+    parser.add_argument("--hang-at", type=int)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--reference", help="then train uninterrupted, write it here")
+    args = parser.parse_args()
+    run_dir = Path(args.run_dir)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    acc = ax.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=STEPS, seed=0,
+                         timeout=args.timeout)
+    objects = build(acc)
+    acc.handle_preemption(run_dir)
+    resumed = acc.load_state(run_dir).name if latest_checkpoint(run_dir) else "-"
+    event(run_dir, acc, f"attempt {attempt} resumed {resumed}")
+
+    def hurt(acc: ax.Accelerator) -> None:
+        one_into = acc._window.micro_step == 1
+        step = acc.optimizer_steps
+        if acc.rank != 1 or not one_into:
+            return
+        if step == args.kill_at and attempt == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.term_at and attempt > 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step == args.hang_at:
+            (run_dir / "hang_started").write_text(str(time.time()))
+            time.sleep(3600)
+
+    train(acc, objects, epochs=args.epochs, save_at=range(2, 10**6, 2), run_dir=run_dir,
+          after_micro_step=hurt)
+    acc.save_model(run_dir / "final", objects[0])
+    event(run_dir, acc, f"attempt {attempt} finished at step {acc.optimizer_steps}")
+    if args.reference:  # the same job never interrupted (saves a launch in the tests)
+        ref = ax.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=STEPS, seed=0)
+        ref_objects = build(ref)
+        train(ref, ref_objects, epochs=args.epochs)
+        ref.save_model(args.reference, ref_objects[0])
+    acc.end()
+
+
+def event(run_dir: Path, acc: ax.Accelerator, line: str) -> None:
+    if acc.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "events.txt", "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The ``accumix`` command: the default recipe on 2 ranks, env, estimate-memory, plot, launch
+planning (SLURM too) and usage errors."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from accumix.cli.launch import plan_launch, slurm_settings, torchrun_args
+from accumix.cli.main import main
+from accumix.errors import ConfigError
+from accumix.memory import estimate_memory
+from accumix.recipes.gpt import GPT, GPTConfig
+
+# The default recipe, shrunk to seconds: 1 layer, short documents, 20 files, 8 steps.
+SHORT = ["max_steps=8", "eval_every=4", "checkpoint_every=8", "model.n_layer=1",
+         "model.n_embd=64", "model.n_head=2", "model.block_size=64", "data.max_files=20",
+         "data.max_val_bytes=4000", "sample.max_new_tokens=20", "optimizer.warmup_steps=2",
+         "optimizer.lr=1e-2", "global_batch_size=16", "micro_batch_size=4"]
+
+
+def test_train_default_recipe_on_two_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    done = subprocess.run(
+        [sys.executable, "-m", "accumix.cli.main", "train", *SHORT, f"output_dir={run_dir}",
+         "nproc=2"], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with (run_dir / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(r["loss"]) for r in rows]
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    # Bytes start near ln(256) = 5.55; a few steps learn the byte statistics.
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.0
+    assert rows[3]["val_loss"] and rows[7]["val_loss"] and not rows[0]["val_loss"]
+    assert all(float(r["tokens_per_s"]) > 0 and r["skipped"] == "0" for r in rows)
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "latest").exists() and (run_dir / "step-8").is_dir()
+    assert "2 process(es), strategy ddp" in done.stdout
+    assert "validation loss" in done.stdout and "sample:\ndef " in done.stdout
+
+
+def test_env_reports_devices_precision_and_world(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "precision auto" in out and "launcher        none: rank 0 of world 1" in out
+
+
+def test_estimate_memory_table_and_auto_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate-memory", "--params", "1e9", "--world-size", "8", "--precision",
+                 "bf16-mixed", "--device-gib", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    ddp, zero1 = estimate_memory(10**9, world_size=8, precision="bf16-mixed")[:2]
+    assert out[2].split()[:6] == ["ddp", "3.73", "3.73", "7.45", "0.00",
+                                  f"{ddp.total_bytes / 2**30:.2f}"]
+    assert out[2].split()[-1] == "no" and out[3].split()[-1] == "yes"
+    assert out[-1] == (f"auto: zero1: {zero1.total_bytes / 2**30:.2f} GiB per rank fits 80% of "
+                       f"16.00 GiB; ddp needs {ddp.total_bytes / 2**30:.2f} GiB")
+    # The recipe's model, from the same overrides as train.
+    assert main(["estimate-memory", "model.n_layer=12", "model.n_embd=768", "model.n_head=12",
+                 "--world-size", "2", "--device-gib", "80", "--precision", "fp32"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    with torch.device("meta"):
+        count = GPT(GPTConfig(block_size=128, n_layer=12, n_head=12, n_embd=768)).num_parameters(
+            non_embedding=False)
+    assert first.startswith(f"the recipe's GPT ({count:,} parameters, micro batch 8 x 128")
+    assert main(["estimate-memory", "--params", "lots"]) == 2
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    columns = ["step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "samples_per_s",
+               "tokens_per_s", "val_loss"]
+    with (tmp_path / "metrics.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for step in range(1, 6):
+            writer.writerow([step, 5 - step * 0.5, 1e-3, 2.0, 65536 / 2 ** (step == 3),
+                             int(step == 3), 10, 1000, 3.0 if step == 5 else ""])
+    assert main(["plot", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "metrics.png")
+    assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    assert "metrics.csv' does not exist" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["launch"], ["bogus"], ["launch", "--nproc", "0", __file__],
+                 ["launch", "--nproc", "two", __file__], ["launch", "missing.py"], []):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+
+
+def test_launch_plan_defaults_and_slurm() -> None:
+    plan = plan_launch(nproc="auto", environ={})
+    assert (plan.nnodes, plan.node_rank, plan.master_addr) == (1, 0, "127.0.0.1")
+    assert plan.nproc == len(os.sched_getaffinity(0)) and plan.threads_per_process == 1
+    assert plan_launch(nproc=1, environ={}).threads_per_process == plan.nproc
+    with pytest.raises(ConfigError, match="nnodes=2 needs --master-addr"):
+        plan_launch(nproc=1, nnodes=2, environ={})
+    with pytest.raises(ConfigError, match="node-rank=2 is invalid with nnodes=2"):
+        plan_launch(nproc=1, nnodes=2, node_rank=2, master_addr="h", environ={})
+    slurm = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2",
+             "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1",
+             "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_CPUS_ON_NODE": "8"}
+    plan = plan_launch(nproc="auto", environ=slurm)
+    assert (plan.nproc, plan.nnodes, plan.node_rank, plan.master_addr, plan.master_port,
+            plan.threads_per_process) == (8, 2, 1, "gpu07", 11234, 1)
+    assert torchrun_args(plan, "train.py", ["--x"])[:5] == [
+        "--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=gpu07",
+        "--master-port=11234"]
+    with pytest.raises(ConfigError, match="srun --ntasks-per-node=1"):
+        slurm_settings({**slurm, "SLURM_STEP_NUM_TASKS": "16"})

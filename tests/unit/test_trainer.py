@@ -1,0 +1,211 @@
+"""The Trainer on one process: event order, the logged window loss against a hand computation,
+the accumulation scheduler, resume, the guards."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import accumix as ax
+from accumix.trainer import (
+    EVENTS,
+    Callback,
+    GradientAccumulationScheduler,
+    LossGuard,
+    StepMetrics,
+    Trainer,
+)
+from tests import workloads as w
+
+
+class Recorder(Callback):
+    """Records every event; at each optimizer step also K and the metrics."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.metrics: list[StepMetrics] = []
+        self.ks: list[int] = []
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in EVENTS:
+            def record(trainer: Trainer, *args: Any) -> None:
+                self.events.append(name)
+                if name == "on_optimizer_step":
+                    self.metrics.append(args[0])
+                    self.ks.append(trainer.accelerator.grad_accum_steps)
+            return record
+        return super().__getattribute__(name)
+
+
+def make_trainer(data: Any, step_fn: Any, *, k: int, micro: int, lr: float = 0.0,
+                 **kwargs: Any) -> tuple[Trainer, Recorder]:
+    recorder = Recorder()
+    model = w.make_model(data.tensors[0].shape[-1])
+    acc = ax.Accelerator(precision="fp32", grad_accum_steps=k)
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                      train_loader=DataLoader(data, batch_size=micro), accelerator=acc,
+                      step_fn=step_fn, progress_bar=False,
+                      callbacks=[recorder, *kwargs.pop("callbacks", [])], **kwargs)
+    return trainer, recorder
+
+
+MICRO = ["on_train_batch_start", "on_before_backward", "on_after_backward"]
+
+
+def test_event_order_with_eval_and_checkpoint_then_resume(tmp_path: Path) -> None:
+    data = w.sequence_data(16)
+    trainer, rec = make_trainer(data, w.item_loss, k=2, micro=4, max_steps=2, eval_every=2,
+                                checkpoint_every=2, run_dir=tmp_path, lr=0.1,
+                                val_loader=DataLoader(data, batch_size=8), loggers=["csv"])
+    result = trainer.fit()
+    off = [*MICRO, "on_train_batch_end"]
+    step = [*MICRO, "on_before_optimizer_step", "on_optimizer_step"]
+    assert rec.events == ["on_fit_start", *off, *step, "on_train_batch_end", *off, *step,
+                          "on_validation_end", "on_save_checkpoint", "on_train_batch_end",
+                          "on_fit_end"]
+    assert result.step == 2 and (tmp_path / "step-2").is_dir()
+
+    # A new run in the same directory resumes at step 2 and trains 1 more: the end of fit
+    # evaluates and checkpoints the last step.
+    trainer, rec = make_trainer(data, w.item_loss, k=2, micro=4, max_steps=3, eval_every=2,
+                                checkpoint_every=2, run_dir=tmp_path, lr=0.1,
+                                val_loader=DataLoader(data, batch_size=8), loggers=["csv"])
+    result = trainer.fit()
+    assert rec.events == ["on_fit_start", "on_load_checkpoint", *off, *step,
+                          "on_train_batch_end", "on_validation_end", "on_save_checkpoint",
+                          "on_fit_end"]
+    assert result.step == 3 and result.resumed_from == tmp_path
+    with (tmp_path / "metrics.csv").open() as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [1, 2, 3]
+
+
+def test_exception_reaches_callbacks_and_propagates() -> None:
+    data = w.regression_data(16)
+    calls = {"n": 0}
+
+    def failing(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("bad batch")
+        return w.mean_loss(model, batch)
+
+    trainer, rec = make_trainer(data, failing, k=2, micro=4, max_steps=4)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer.fit()
+    assert rec.events[-2:] == ["on_train_batch_start", "on_exception"]
+    assert "on_fit_end" not in rec.events
+
+
+def test_window_loss_items_equals_hand_computation_with_short_last_window(
+        tmp_path: Path) -> None:
+    # 12 micro-batches of 4 variable-length sequences, K=5: windows of 5, 5 and 2 micro-steps.
+    data = w.sequence_data(48)
+    trainer, rec = make_trainer(data, w.item_loss, k=5, micro=4, max_epochs=1,
+                                run_dir=tmp_path, loggers=["csv", "jsonl"])
+    trainer.fit()
+    model = w.make_model(4)  # lr=0: the parameters never change, so the reference is exact
+    expected = []
+    for first, last in ((0, 20), (20, 40), (40, 48)):
+        loss_sum, items = w.item_loss(model, data[first:last])
+        expected.append(loss_sum.item() / items.item())
+    assert [m.loss for m in rec.metrics] == pytest.approx(expected, rel=1e-6)
+    assert [m.items for m in rec.metrics] == [
+        int(data[a:b][2].sum()) for a, b in ((0, 20), (20, 40), (40, 48))]
+    assert [m.samples for m in rec.metrics] == [20, 20, 8]
+    with (tmp_path / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["loss"]) for r in rows] == [m.loss for m in rec.metrics]
+    for column in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "samples_per_s",
+                   "tokens_per_s", "step_time_s", "max_mem_mb"):
+        assert column in rows[0]
+    assert [r["skipped"] for r in rows] == ["0", "0", "0"] and rows[0]["loss_scale"] == ""
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_window_loss_mean_mode_is_the_mean_over_micro_steps() -> None:
+    data = w.regression_data(40)  # 10 micro-batches of 4, K=4: windows of 4, 4, 2
+    trainer, rec = make_trainer(data, w.mean_loss, k=4, micro=4, max_epochs=1)
+    trainer.fit()
+    model = w.make_model()
+    micro = [w.mean_loss(model, data[i:i + 4]).item() for i in range(0, 40, 4)]
+    expected = [sum(micro[0:4]) / 4, sum(micro[4:8]) / 4, sum(micro[8:10]) / 2]
+    assert [m.loss for m in rec.metrics] == pytest.approx(expected, rel=1e-6)
+    assert [m.items for m in rec.metrics] == [None, None, None]
+    # The logged grad norm is the norm of the window's true (mean) gradient.
+    model.zero_grad()
+    w.mean_loss(model, data[32:40]).backward()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    assert rec.metrics[-1].grad_norm == pytest.approx(norm, rel=1e-5)
+
+
+def test_accumulation_scheduler_changes_k_by_step_and_by_epoch() -> None:
+    data = w.regression_data(48)  # 12 micro-batches of 4
+    by_step = GradientAccumulationScheduler({0: 1, 2: 3}, by="step")
+    trainer, rec = make_trainer(data, w.mean_loss, k=2, micro=4, max_steps=5,
+                                callbacks=[by_step])
+    trainer.fit()
+    assert rec.ks == [1, 1, 3, 3, 3]
+    assert [m.samples for m in rec.metrics] == [4, 4, 12, 12, 12]
+
+    by_epoch = GradientAccumulationScheduler({0: 2, 1: 4}, by="epoch")
+    trainer, rec = make_trainer(data, w.mean_loss, k=1, micro=4, max_epochs=2,
+                                callbacks=[by_epoch])
+    result = trainer.fit()
+    assert rec.ks == [2] * 6 + [4] * 3 and result.step == 9 and result.epoch == 1
+    with pytest.raises(ax.ConfigError, match="grad_accum_steps >= 1"):
+        GradientAccumulationScheduler({0: 0})
+
+
+def test_accelerator_grad_accum_steps_setter_is_validated() -> None:
+    acc = ax.Accelerator(precision="fp32", grad_accum_steps=2)
+    model = w.make_model()
+    model, opt, loader = acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   DataLoader(w.regression_data(16), batch_size=4))
+    with pytest.raises(ax.ConfigError, match="integer >= 1"):
+        acc.grad_accum_steps = 0
+    batch = next(iter(loader))
+    with acc.accumulate():
+        acc.backward(w.mean_loss(model, batch))
+    with pytest.raises(ax.ConfigError, match="only between windows"):
+        acc.grad_accum_steps = 3
+    with acc.accumulate():
+        acc.backward(w.mean_loss(model, batch))
+        opt.step()
+        opt.zero_grad()
+    acc.grad_accum_steps = 3
+    assert acc.grad_accum_steps == 3
+
+
+def test_nan_loss_raises_or_stops() -> None:
+    data = w.regression_data(32)
+
+    def nan_at_step_3(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = w.mean_loss(model, batch)
+        return loss * math.nan if trainer.step == 2 else loss
+
+    trainer, _ = make_trainer(data, nan_at_step_3, k=1, micro=4, max_steps=6)
+    with pytest.raises(ax.AccumixError, match="loss is nan at step 3"):
+        trainer.fit()
+    trainer, rec = make_trainer(data, nan_at_step_3, k=1, micro=4, max_steps=6,
+                                callbacks=[LossGuard(on_nan="stop")])
+    result = trainer.fit()
+    assert result.step == 3 and len(rec.metrics) == 3
+
+
+def test_trainer_rejects_bad_settings() -> None:
+    data = w.regression_data(8)
+    with pytest.raises(ax.ConfigError, match="max_steps or max_epochs"):
+        make_trainer(data, w.mean_loss, k=1, micro=4)
+    with pytest.raises(ax.ConfigError, match="eval_every=0"):
+        make_trainer(data, w.mean_loss, k=1, micro=4, max_steps=1, eval_every=0)
+    with pytest.raises(ax.ConfigError, match="unknown logger 'xml'"):
+        make_trainer(data, w.mean_loss, k=1, micro=4, max_steps=1, run_dir="x", loggers=["xml"])
+    trainer, _ = make_trainer(data, lambda m, b: m(b[0]), k=1, micro=4, max_steps=1)
+    with pytest.raises(ax.ConfigError, match="returned Tensor"):
+        trainer.fit()
