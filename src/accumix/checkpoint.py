@@ -112,7 +112,8 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
 
     def prepare() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        for leftover in run_dir.glob(".step-*.*"):  # of saves that crashed half-way
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir()
 
     _agree(acc, prepare if rank == 0 else None, f"preparing {tmp}")
@@ -303,10 +304,12 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str]) -> Path:
     _check_between_windows(acc, "load_state")
     step_dir: Path | None = None
     meta: dict[str, Any] = {}
+    rng: dict[str, Any] = {}
     error: str | None = None
-    try:
+    try:  # everything that can be checked before anything is changed
         step_dir = resolve(path)
         meta = _validate(acc, step_dir)
+        rng = _read_tensors(step_dir / f"rank-{acc.rank % meta['world_size']}.pt")
     except CheckpointError as exc:
         error = str(exc)
     errors = acc.strategy.all_gather_object(error)  # every rank refuses, or none does
@@ -340,9 +343,8 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str]) -> Path:
     for loader, saved in zip(acc._loaders, state["loaders"], strict=True):
         loader.load_state_dict(saved)
     # Last: nothing above may draw from the generators once they hold the saved streams.
+    _set_rng_state(acc, rng)
     saved_world = meta["world_size"]
-    rank_file = step_dir / f"rank-{acc.rank % saved_world}.pt"
-    _set_rng_state(acc, _read_tensors(rank_file))
     if saved_world != acc.world_size:
         log.info("loaded %s saved on %d ranks into %d; ranks >= %d took the RNG streams of "
                  "rank (rank %% %d)", step_dir, saved_world, acc.world_size, saved_world,

@@ -116,21 +116,23 @@ class _SafeReader(FileSystemReader):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    _OTHERS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-               ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-               ("collections", "OrderedDict")}
+    """Only the plain records DCP's ``.metadata`` is made of: its metadata dataclasses and
+    enums, the storage record of the file system writer, sizes, dtypes and layouts, paths."""
+
+    _METADATA = "torch.distributed.checkpoint.metadata"
+    _OTHERS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               *((m, c) for m in ("pathlib", "pathlib._local")  # 3.13 moved the classes
+                 for c in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
 
     def find_class(self, module: str, name: str) -> Any:
+        defined = getattr(importlib.import_module(module), name, None) if (
+            module == self._METADATA) else None
         allowed = (
-            (module in self._MODULES and isinstance(getattr(_import(module), name, None), type))
+            (isinstance(defined, type) and defined.__module__ == module)  # not Enum, Any, ...
             or (module, name) in self._OTHERS
             or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
         )
         if not allowed:
             raise pickle.UnpicklingError(f"refused to load {module}.{name}")
         return super().find_class(module, name)
-
-
-def _import(module: str) -> Any:
-    return importlib.import_module(module)

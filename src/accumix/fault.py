@@ -162,20 +162,20 @@ def start_watchdog(acc: Accelerator, timeout: float) -> Watchdog | None:
     """Starts this process's watchdog (once) and points it at ``acc``; None in one process or
     when no TCP store address is known (a process group made with another init method)."""
     global _watchdog
-    if acc.world_size == 1 or "MASTER_ADDR" not in os.environ:
+    if acc.world_size == 1 or not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         return None
     if _watchdog is None or _watchdog._stop.is_set():
         run = os.environ.get("TORCHELASTIC_RUN_ID", "")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         try:
             client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                   is_master=False, timeout=timedelta(seconds=10),
+                                   is_master=False, timeout=timedelta(seconds=min(timeout, 10)),
                                    wait_for_workers=False)
-        except Exception:  # noqa: BLE001 - no diagnosis, but training is unaffected
+            store = dist.PrefixStore(f"accumix/{run}/{attempt}/", client)
+            interval = min(1.0, max(0.1, timeout / 10))
+            _watchdog = Watchdog(store, acc.rank, acc.world_size, interval)
+        except Exception:  # noqa: BLE001 - no diagnosis then, but training is unaffected
             return None
-        store = dist.PrefixStore(f"accumix/{run}/{attempt}/", client)
-        interval = min(1.0, max(0.1, timeout / 10))
-        _watchdog = Watchdog(store, acc.rank, acc.world_size, interval)
         _install_excepthook()
     _watchdog.watch(acc)
     return _watchdog

@@ -71,8 +71,9 @@ def test_hung_rank_stops_every_process_within_the_timeout(tmp_path: Path) -> Non
     stopped = time.time()
     assert result.returncode != 0
     hung_for = stopped - float((run / "hang_started").read_text())
-    # gloo's timeout on rank 0, the diagnosis (2.5 heartbeats of 0.3 s), rank 1's watchdog.
-    assert hung_for < timeout + 8.0, hung_for
+    # gloo's timeout on rank 0, the diagnosis (2.5 heartbeats of 0.3 s), rank 1's watchdog
+    # (4.8 s measured; the margin is for a loaded machine).
+    assert hung_for < timeout + 10.0, hung_for
     assert ("rank(s) 1 are alive but stuck behind (rank 1 at 2 windows done + 1 micro-step(s))"
             in result.stderr), result.stderr[-3000:]
     # Both workers ended with a failure (rank 1 by its watchdog or by the agent).

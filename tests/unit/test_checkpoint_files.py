@@ -120,15 +120,17 @@ def test_torn_corrupt_and_foreign_checkpoints_are_refused(saved: tuple[Any, Path
     (run_dir / "latest").write_text("step-9\n")
     assert "neither latest nor meta.json" in _refusal(tmp_path)
 
-    # A crash mid-save leaves only a temporary directory: latest still names step-9, and the
-    # next save at that step replaces the leftover.
-    (run_dir / ".step-12.tmp" / "model").mkdir(parents=True)
-    resumed, _ = _run(load=run_dir)
-    assert _equal(resumed, reference)
     # The previous checkpoint loads whatever happened to the newest.
     shard.write_bytes(shard_bytes[:-1])
     previous, _ = _run(load=run_dir / "step-4")
     assert _equal(previous, reference)
+    shard.write_bytes(shard_bytes)
+    # A crash mid-save leaves only a temporary directory: latest still names step-9, and the
+    # next save removes the leftover.
+    (run_dir / ".step-12.tmp" / "model").mkdir(parents=True)
+    resumed, _ = _run(run_dir, load=run_dir, save_at={10})
+    assert _equal(resumed, reference)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["latest", "step-10", "step-9"]
 
 
 def test_different_model_is_refused(saved: tuple[Any, Path]) -> None:
