@@ -209,3 +209,27 @@ def test_trainer_rejects_bad_settings() -> None:
     trainer, _ = make_trainer(data, lambda m, b: m(b[0]), k=1, micro=4, max_steps=1)
     with pytest.raises(ax.ConfigError, match="returned Tensor"):
         trainer.fit()
+
+
+@pytest.mark.filterwarnings("ignore:precision='fp16-mixed' on this CPU is emulated")
+def test_fp16_overflow_row_is_skipped_and_keeps_the_step() -> None:
+    data = w.regression_data(16)
+    calls = {"n": 0}
+
+    def overflow_second_window(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls["n"] += 1
+        loss = w.mean_loss(model, batch)
+        return loss * math.inf if calls["n"] == 2 else loss
+
+    recorder = Recorder()
+    model = w.make_model()
+    acc = ax.Accelerator(precision="fp16-mixed", grad_accum_steps=1,
+                         loss_scale=ax.DynamicLossScale(init_scale=16.0, hysteresis=1))
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      train_loader=DataLoader(data, batch_size=4), accelerator=acc,
+                      step_fn=overflow_second_window, max_steps=3, progress_bar=False,
+                      callbacks=[recorder])
+    result = trainer.fit()
+    rows = [(m.step, m.skipped, m.loss_scale) for m in recorder.metrics]
+    assert rows == [(1, False, 16.0), (1, True, 16.0), (2, False, 8.0), (3, False, 8.0)]
+    assert result.step == 3 and math.isinf(recorder.metrics[1].loss)

@@ -136,3 +136,34 @@ def test_throughput_mfu_and_step_output_parsing() -> None:
         split_loss([loss])
     assert batch_samples({"input_ids": torch.zeros(5, 3)}) == 5
     assert batch_samples((torch.zeros(4, 2), torch.zeros(4))) == 4
+
+
+def test_tensorboard_logger_writes_numeric_columns(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # tensorboard is an optional extra (not installed here): a stand-in SummaryWriter records
+    # what the logger asks of it.
+    import sys
+    import types
+
+    from accumix.trainer import loggers
+
+    calls: list[tuple[Any, ...]] = []
+
+    class Writer:
+        def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+            calls.append(("open", Path(log_dir).name, purge_step))
+
+        def add_scalar(self, key: str, value: float, step: int) -> None:
+            calls.append((key, value, step))
+
+        def close(self) -> None:
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                        types.SimpleNamespace(SummaryWriter=Writer))
+    monkeypatch.setattr(loggers, "tensorboard_available", lambda: True)
+    (logger,) = resolve_loggers(["tensorboard"])
+    logger.open(tmp_path, resume_step=5)
+    logger.log({"step": 6, "loss": 1.5, "loss_scale": None, "skipped": 0, "note": "x"})
+    logger.close()
+    assert calls == [("open", "tensorboard", 6), ("loss", 1.5, 6), ("skipped", 0, 6), ("close",)]
