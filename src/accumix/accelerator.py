@@ -106,7 +106,7 @@ class Accelerator:
         self.launch = detect_launch_env()
         configure_logging(self.launch.rank)
         self.device = pick_device(self.launch)
-        self._owns_process_group = init_process_group(self.launch, self.device, timeout)
+        init_process_group(self.launch, self.device, timeout)
         self.policy = resolve_policy(precision, self.device)
         if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
             raise ConfigError(
@@ -550,16 +550,19 @@ class Accelerator:
         return self._preemption
 
     def end(self) -> None:
-        """Waits for every rank and releases the process group accumix created."""
+        """Waits for every rank and releases what the strategy holds.
+
+        The process group stays up for a later Accelerator in this process and is destroyed at
+        exit: destroying it here races a rank that re-creates it at once against a peer whose
+        old store still answers on the same port (a hang).
+        """
         if self._preemption is not None:
             self._preemption.close()
         if self._watchdog is not None:
             self._watchdog.finish()
         self.strategy.teardown()
-        if self._owns_process_group and dist.is_initialized():
+        if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
-            self._owns_process_group = False
 
     def _check_same_config(self) -> None:
         mine = (type(self.strategy).__name__, self.policy.name, self._batch_sizes,

@@ -7,6 +7,7 @@ the address and port to `torch.distributed.init_process_group("env://")`.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
@@ -147,7 +148,7 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
         timeout: seconds a collective may wait before every rank fails.
 
     Returns:
-        True if this call created the group (so ``end()`` should destroy it).
+        True if this call created the group; it is then destroyed when the process exits.
     """
     if not launch.distributed or dist.is_initialized():
         return False
@@ -169,7 +170,13 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
         timeout=timedelta(seconds=timeout),
         **kwargs,
     )
+    atexit.register(_destroy_process_group)
     return True
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _elastic_attempt_store(launch: LaunchEnv, timeout: float) -> dist.Store | None:

@@ -111,8 +111,20 @@ def _overflow_on_one_rank() -> dict[str, object]:
     return {"log": log, "steps": acc.optimizer_steps}
 
 
+def _two_runs_in_one_process() -> list[int]:
+    """end() and then a new Accelerator in the same process (a notebook, a test suite)."""
+    steps = []
+    for _ in range(2):
+        _, acc = w.accumix_params(w.make_model(), w.regression_data(48), micro_batch=4,
+                                  steps=3, items=False, strategy="ddp")
+        steps.append(acc.optimizer_steps)
+        acc.end()
+    return steps
+
+
 def _all_checks() -> dict[str, object]:
     return {
+        "two_runs": _two_runs_in_one_process(),
         "equivalence": _equivalence_checks(),
         "comm": {k: _comm_rounds(k) for k in (1, 4)},
         "overflow": _overflow_on_one_rank(),
@@ -122,6 +134,7 @@ def _all_checks() -> dict[str, object]:
 def test_ddp_two_ranks() -> None:
     results = spawn(_all_checks, nprocs=2)
     for rank, r in enumerate(results):
+        assert r["two_runs"] == [2, 2]
         eq = r["equivalence"]
         assert eq["mean"] < TOL, (rank, eq)
         assert eq["mean_steps"] == 2
