@@ -1,6 +1,6 @@
 """What mixed precision buys on a GPU, and accumix's cost against a raw loop and HF Accelerate.
 
-    python bench/gpu.py                        # CUDA: GPT-2-small shape, seq 1024 (~3 min)
+    python bench/gpu.py                        # CUDA: GPT-2-small shape, seq 1024 (< 7.5 min)
     python bench/gpu.py --json out.json        # also write the rows as JSON
     python bench/gpu.py --tiny                 # the tiny configuration (what a CPU runs)
 

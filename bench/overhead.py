@@ -1,6 +1,6 @@
 """accumix's per-step cost against a raw PyTorch loop, HF Accelerate and Lightning Fabric.
 
-    python bench/overhead.py                      # the default job (two to four minutes here)
+    python bench/overhead.py                      # the default job (under a minute here)
     python bench/overhead.py --rounds 2 --warmup 1 --steps 3 --width 16   # a smoke run
 
 One process on the CPU, one thread; an MLP trained with AdamW, K = 4 micro-steps per optimizer
@@ -16,8 +16,9 @@ documentation recommends, over the same DataLoader (each library wraps the loade
               fabric.clip_gradients at the boundary;
 * control:    the raw loop once more, on its own copy: its ratio to raw is the noise floor.
 
-Rounds are interleaved (raw, accumix, accelerate, fabric, control, raw, ...); a round is one
-epoch of ``--steps`` optimizer steps for each variant. After ``--warmup`` untimed rounds, each
+Rounds are interleaved, each variant's position rotating from round to round (raw, accumix, ...,
+control; accumix, ..., control, raw; ...); a round is one epoch of ``--steps`` optimizer steps for
+each variant. After ``--warmup`` untimed rounds, each
 round's time per optimizer step is recorded (by default this process's CPU time, which other
 processes' load inflates less than the wall clock); the table shows the median, the median and
 middle half of the per-round ratios to the raw loop and the median per-round difference (paired,
@@ -171,6 +172,8 @@ BUILDERS = {
     "fabric": fabric_variant,
     "control": control_variant,
 }
+LABELS = {"raw": "raw PyTorch", "accumix": "accumix", "accelerate": "HF Accelerate",
+          "fabric": "Lightning Fabric", "control": "raw PyTorch again (control)"}
 
 
 def build(names: list[str], model: nn.Module, data: TensorDataset, batch: int) -> list[Variant]:
@@ -181,7 +184,7 @@ def build(names: list[str], model: nn.Module, data: TensorDataset, batch: int) -
         try:
             variants.append(BUILDERS[name](copy.deepcopy(model), data, batch))
         except Exception as exc:  # ImportError, or a library's setup failing on this machine
-            variants.append(Variant(name=name, run=lambda: None, params=lambda: [],
+            variants.append(Variant(name=LABELS[name], run=lambda: None, params=lambda: [],
                                     error=f"{type(exc).__name__}: {exc}"))
     return variants
 
@@ -197,9 +200,15 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 def measure(variants: list[Variant], *, rounds: int, warmup: int, steps: int,
             clock: Callable[[], float]) -> None:
-    """Interleaved rounds; a round's time per optimizer step is recorded after ``warmup``."""
+    """Interleaved rounds; a round's time per optimizer step is recorded after ``warmup``.
+
+    Round r starts at variant r mod n (ABCD, BCDA, ...): each variant runs in every position
+    equally often, so whatever the variant before leaves behind (warm caches and branch
+    predictors for shared code, allocator state) favours none of them.
+    """
     for round_index in range(warmup + rounds):
-        for variant in variants:
+        start_at = round_index % len(variants)
+        for variant in variants[start_at:] + variants[:start_at]:
             if variant.error:
                 continue
             start = clock()
@@ -239,13 +248,13 @@ def report(variants: list[Variant], args: argparse.Namespace) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per variant")
+    parser.add_argument("--rounds", type=int, default=100, help="timed rounds per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps per round")
-    parser.add_argument("--batch", type=int, default=32, help="micro-batch size")
-    parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
-    parser.add_argument("--features", type=int, default=64)
-    parser.add_argument("--outputs", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=25, help="optimizer steps per round")
+    parser.add_argument("--batch", type=int, default=16, help="micro-batch size")
+    parser.add_argument("--width", type=int, default=64, help="hidden width of the MLP")
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--outputs", type=int, default=8)
     parser.add_argument("--clock", choices=CLOCKS, default="cpu",
                         help="cpu: this process's CPU time (steady on a shared machine, where "
                         "other processes' load inflates wall time); wall: elapsed time")
