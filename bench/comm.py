@@ -37,20 +37,12 @@ from torch.distributed.tensor import DTensor
 
 import accumix as ax
 from _common import machine_line, markdown_table
+from accumix.testing import ResidualBlock as Block
 from accumix.testing import spawn
 
 MIB, KIB = 1024**2, 1024
 ROWS = (("ddp", "accumulation-aware"), ("ddp", "every micro-step"),
         ("fsdp", "accumulation-aware"), ("fsdp", "every micro-step"))
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.lin(x))
 
 
 def make_model(width: int, blocks: int) -> nn.Module:

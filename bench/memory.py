@@ -35,20 +35,12 @@ from torch.distributed.tensor import DTensor
 import accumix as ax
 from _common import machine_line, markdown_table
 from accumix.memory import estimate_memory
+from accumix.testing import ResidualBlock as Block
 from accumix.testing import spawn
 
 KIB = 1024
 ROWS = ("ddp", "zero1", "fsdp-grad_op", "fsdp-full", "deepspeed-1", "deepspeed-2",
         "deepspeed-3")
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.lin(x))
 
 
 def make_model(width: int, blocks: int) -> nn.Module:

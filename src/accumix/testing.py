@@ -14,6 +14,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch import nn
+
 
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago."""
@@ -95,3 +98,14 @@ def spawn(fn: Callable[..., Any], nprocs: int = 2, args: tuple[Any, ...] = (),
     if errors:
         raise RankFailed("\n".join(errors))
     return [results[r] for r in range(nprocs)]
+
+
+class ResidualBlock(nn.Module):
+    """``x + tanh(Linear(x))``: a tiny repeated block that FSDP's auto wrap finds."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))

@@ -60,7 +60,7 @@ _TAG = "engine-{index}"
 
 
 # -- the loss scale --------------------------------------------------------------------------
-class EngineLossScale:
+class EngineLossScale(NoLossScale):
     """The façade's scaler under DeepSpeed fp16: the engine scales the loss and keeps the scale.
 
     ``scale`` is 1.0, so the façade multiplies the loss by nothing and its boundary factor
@@ -70,16 +70,6 @@ class EngineLossScale:
     """
 
     enabled = True
-    scale = 1.0
-
-    def update(self, found_inf: bool) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 # -- the strategy ----------------------------------------------------------------------------
