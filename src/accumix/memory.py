@@ -39,7 +39,7 @@ from accumix.errors import ConfigError
 # Bytes: p stored param, c gathered (compute dtype) param, g grad, s one state, m fp32 master.
 #
 #   precision                torch: ddp, zero1, fsdp   deepspeed
-#   fp32                     p=4 c=4 g=4 s=4 m=0       p=4 c=4 g=4 s=4 m=0
+#   fp32                     p=4 c=4 g=4 s=4 m=0       p=4 c=4 g=4 s=4 m=4 (ZeRO 1/2), 0 (3)
 #   bf16-mixed, fp16-mixed   p=4 c=2 g=4 s=4 m=0       p=2 c=2 g=2 s=4 m=4  (ZeRO's 16 bytes)
 #   bf16-true                p=2 c=2 g=2 s=2 m=0       p=2 c=2 g=2 s=4 m=4
 #
@@ -301,7 +301,11 @@ def estimate_memory(
         gathered = {"none": 0, "all": num_params, "block": block_params}[sharding.gathered]
         params_bytes = size.param * shard(num_params, sharding.params) + size.gathered * gathered
         grads_bytes = size.grad * shard(trainable, sharding.grads)
-        per_param_optimizer = size.master + optimizer_states * size.state
+        # DeepSpeed's ZeRO 1/2 optimizer clones its fp32 partition even in fp32
+        # (single_partition_of_fp32_groups): measured by bench/memory.py.
+        master = 4 if sharding.deepspeed and not sharding.params and precision == "fp32" else (
+            size.master)
+        per_param_optimizer = master + optimizer_states * size.state
         optimizer_bytes = per_param_optimizer * shard(trainable, sharding.optimizer)
         total = params_bytes + grads_bytes + optimizer_bytes + activation_bytes
         estimates.append(
