@@ -3,6 +3,8 @@ every rank skip; one gradient-reduction round per optimizer step."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -122,8 +124,19 @@ def _two_runs_in_one_process() -> list[int]:
     return steps
 
 
+def _mismatched_settings() -> str:
+    """Ranks launched with different settings stop with one clear error, not a hang."""
+    rank = int(os.environ["RANK"])
+    try:
+        ax.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=2 + rank)
+    except ax.ConfigError as err:
+        return str(err)
+    return "no error"
+
+
 def _all_checks() -> dict[str, object]:
     return {
+        "mismatch": _mismatched_settings(),
         "two_runs": _two_runs_in_one_process(),
         "equivalence": _equivalence_checks(),
         "comm": {k: _comm_rounds(k) for k in (1, 4)},
@@ -135,6 +148,8 @@ def test_ddp_two_ranks() -> None:
     results = spawn(_all_checks, nprocs=2)
     for rank, r in enumerate(results):
         assert r["two_runs"] == [2, 2]
+        assert r["mismatch"].startswith("ranks disagree on"), r["mismatch"]
+        assert "(2, None, None)" in r["mismatch"] and "(3, None, None)" in r["mismatch"]
         eq = r["equivalence"]
         assert eq["mean"] < TOL, (rank, eq)
         assert eq["mean_steps"] == 2
