@@ -141,6 +141,7 @@ class Accelerator:
         self._watchdog = fault.start_watchdog(self, timeout)
         self._set_up: set[int] = set()
         self._in_micro_step = False
+        self._micro_step = _MicroStep(self, ())
         self._finalized = False
         self._skip: bool | None = None
         self._found_inf: torch.Tensor | None = None
@@ -326,7 +327,8 @@ class Accelerator:
         """One micro-step. Off the boundary, gradient communication is off for ``models``
         (default: every set-up model); the last micro-step of a window (or of the epoch's data)
         is the boundary, where ``sync_gradients`` is True."""
-        return _MicroStep(self, models)
+        # The common call has no arguments: reuse one context (micro-steps never nest).
+        return _MicroStep(self, models) if models else self._micro_step
 
     def _begin_micro_step(self) -> None:
         if self._in_micro_step:
@@ -379,7 +381,7 @@ class Accelerator:
             device=self.device,
         )
         self._found_inf = self.strategy.finalize_gradients(
-            list(params_of(o.optimizer for o in self._optimizers)), factor
+            self._trained_params(), factor
         )
 
     def clip_grad_norm_(
@@ -400,10 +402,12 @@ class Accelerator:
         if not self.sync_gradients:
             return None
         self._finalize()
-        params = list(parameters) if parameters is not None else list(
-            params_of(o.optimizer for o in self._optimizers)
-        )
+        params = list(parameters) if parameters is not None else self._trained_params()
         return self.strategy.clip_grad_norm_(params, float(max_norm), float(norm_type))
+
+    def _trained_params(self) -> list[nn.Parameter]:
+        """Every set-up optimizer's parameters, once each (read anew: groups may change)."""
+        return list(params_of(o.optimizer for o in self._optimizers))
 
     def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> None:
         if not self.sync_gradients:
