@@ -206,7 +206,9 @@ def rescale_grads_(
     if not grads:
         return torch.zeros(1) if check_finite else None
     if not check_finite:
-        if isinstance(factor, torch.Tensor) or factor != 1.0:
+        if isinstance(factor, torch.Tensor):  # stays on the device: no host sync
+            torch._foreach_mul_(grads, factor.to(grads[0].device, torch.float32))
+        elif factor != 1.0:
             torch._foreach_mul_(grads, factor)
         return None
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)

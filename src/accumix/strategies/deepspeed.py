@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from accumix.accumulation import rescale_grads_
 from accumix.errors import ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
@@ -206,11 +207,7 @@ class DeepSpeedStrategy(Strategy):
 
     def finalize_gradients(self, params: list[nn.Parameter], factor: float | torch.Tensor
                            ) -> torch.Tensor | None:
-        if isinstance(factor, torch.Tensor) or factor != 1.0:
-            grads = self.local_grads()
-            if grads:
-                factor = float(factor)  # one number for every dtype the partitions have
-                torch._foreach_mul_(grads, factor)
+        rescale_grads_(self.local_grads(), factor, check_finite=False)
         return None  # the engine finds (and agrees on) an fp16 overflow inside its step
 
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float, norm_type: float
@@ -229,9 +226,10 @@ class DeepSpeedStrategy(Strategy):
             total = self.all_reduce(local.reshape(1), "sum")[0] ** (1.0 / norm_type)
         scale = self.loss_scale or 1.0
         norm = total / scale
-        coef = max_norm / (norm + 1e-6)
-        if grads and bool(coef < 1):  # clipping the scaled partitions = clipping the true ones
-            torch._foreach_mul_(grads, coef.item())
+        if grads:  # clipping the scaled partitions = clipping the true ones; no host sync
+            coef = max_norm / (norm + 1e-6)
+            # A NaN norm (fp16 overflow) leaves the partitions for the engine's own check.
+            torch._foreach_mul_(grads, torch.where(coef < 1, coef, torch.ones_like(coef)))
         return norm
 
     def optimizer_step(self, optimizer: Optimizer, *, skip: bool, closure: Any = None) -> bool:
