@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch.optim import Optimizer
 
-from accumix.errors import AccumixError, ConfigError
+# CheckpointError lives in accumix.errors (one class for both backends); re-exported here.
+from accumix.errors import AccumixError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
@@ -46,10 +47,6 @@ LATEST = "latest"
 META = "meta.json"
 MODEL_DIR = "model"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(AccumixError):
-    """A checkpoint that is missing, torn, corrupt or does not fit this run; names the file."""
 
 
 # -- the run directory -----------------------------------------------------------------------
