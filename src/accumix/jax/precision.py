@@ -2,8 +2,11 @@
 
 * ``fp32``: everything in float32.
 * ``bf16-mixed`` / ``fp16-mixed``: float32 master params and optimizer state; the params are cast
-  to the compute dtype once per window (outside the scan) and floating inputs with them, so the
-  matmuls run in half precision; gradients are summed in float32. fp16 adds the loss scale.
+  to the compute dtype once per window (outside the scan), so a model on token ids computes in
+  half precision; gradients are summed in float32. fp16 adds the loss scale. The batch is passed
+  as it comes: casting every floating input would also round masks and item counts (bf16 holds
+  integers exactly only up to 256), so a model with float features casts them itself
+  (``x.astype(params_leaf.dtype)``), as with jmp or flax's ``dtype=``.
 * ``bf16-true``: params and optimizer state stored in bfloat16.
 * ``auto``: bf16-mixed on a GPU or TPU; on a CPU bf16-mixed where bf16 is native, else fp32.
 """
@@ -38,7 +41,7 @@ class JaxPolicy:
         return jnp.float16 in (self.compute_dtype, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
-        """Floating leaves of ``tree`` in the compute dtype (integers, e.g. token ids, kept)."""
+        """Floating leaves of ``tree`` in the compute dtype (integers kept)."""
         return _cast_floating(tree, self.compute_dtype)
 
     def cast_to_param(self, tree: Any) -> Any:

@@ -138,7 +138,6 @@ def build_step(
     def step(state: TrainState, window: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         batch, mask = window.batch, window.mask
         params_c = policy.cast_to_compute(state.params)  # once per window, outside the scan
-        batch = policy.cast_to_compute(batch)
         rng, key = jax.random.split(state.rng)
         scale = state.loss_scale.scale
         batch_specs = jax.tree.map(lambda _: P(None, AXIS), batch)
@@ -156,7 +155,7 @@ def build_step(
         grads = jax.tree.map(lambda g: g / (divisor * scale), g_sum)
         found_inf = (~_all_finite(grads)) if scaled else jnp.asarray(False)
         found_inf = found_inf | state.loss_scale.floor_hit  # after the floor: stop stepping
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if clip_norm is not None:
             # torch.nn.utils.clip_grad_norm_'s coefficient, so both backends clip alike.
             coef = jnp.minimum(clip_norm / (grad_norm + 1e-6), 1.0)
