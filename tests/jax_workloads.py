@@ -59,20 +59,23 @@ def concat(batches):
     return jax.tree.map(lambda *xs: np.concatenate(xs), *batches)
 
 
+def large_batch_loss(params, batch, items: bool):
+    if items:
+        loss_sum, count = item_loss(params, batch, None)
+        return loss_sum / count
+    return mean_loss(params, batch, None)
+
+
 def reference(windows, *, items: bool, params=None, clip_norm=None):
     """One device, one large batch per window: the update accumulation must equal."""
     p = jax.tree.map(jnp.asarray, params or init_params())
     tx = optimizer()
     state = tx.init(p)
     for window in windows:
-        big = concat(window)
-        if items:
-            grads = jax.grad(lambda q: (lambda s, n: s / n)(*item_loss(q, big, None)))(p)
-        else:
-            grads = jax.grad(lambda q: mean_loss(q, big, None))(p)
+        grads = jax.grad(large_batch_loss, argnums=0)(p, concat(window), items)
         if clip_norm is not None:
-            norm = optax.tree.norm(grads)
-            grads = jax.tree.map(lambda g: g * jnp.minimum(clip_norm / (norm + 1e-6), 1.0), grads)
+            coef = jnp.minimum(clip_norm / (optax.tree.norm(grads) + 1e-6), 1.0)
+            grads = jax.tree.map(lambda g, c=coef: g * c, grads)
         updates, state = tx.update(grads, state, p)
         p = optax.apply_updates(p, updates)
     return p

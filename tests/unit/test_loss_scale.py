@@ -8,7 +8,6 @@ import accumix as ax
 from tests.loss_scale_traces import IDS, TRACES
 
 
-
 @pytest.mark.parametrize("trace", TRACES, ids=IDS)
 def test_scale_sequence(trace) -> None:
     """The golden table shared with the JAX scaler (tests/golden/loss_scale_traces.json)."""
