@@ -185,3 +185,20 @@ def test_bad_windows_and_optimizers_are_config_errors() -> None:
         acc.window(odd)
     with pytest.raises(ax.ConfigError, match="same shapes"):
         acc.window(w.micro_batches(1) + w.micro_batches(1, rows=2))
+
+
+def test_auto_strategy_uses_the_memory_model_and_single_for_one_device(monkeypatch) -> None:
+    from accumix.jax import strategies
+
+    acc = axj.Accelerator(strategy="auto", precision="fp32", grad_accum_steps=K)
+    with pytest.raises(ax.ConfigError, match="chosen at acc.setup"):
+        _ = acc.num_devices
+    acc.setup(w.init_params(), w.optimizer())
+    assert acc.strategy.name == "ddp" and acc.num_devices == 2  # a tiny model fits replicated
+    # 100 fp32 Adam params: ddp holds 1600 bytes, zero1 1200; 80% of 1600 fits only zero1.
+    monkeypatch.setattr(strategies, "_device_free_bytes", lambda: 1600)
+    assert strategies.choose_auto(100, precision="fp32").name == "zero1"
+    monkeypatch.setattr(strategies, "_device_free_bytes", lambda: 2000)
+    assert strategies.choose_auto(100, precision="fp32").name == "ddp"
+    monkeypatch.setattr(strategies.jax, "devices", lambda: jax.local_devices()[:1])
+    assert strategies.choose_auto(100, precision="fp32").name == "single"

@@ -95,6 +95,8 @@ class Accelerator:
         self._optimizer: optax.GradientTransformation | None = None
         self._shardings: TrainState | None = None
         self._loader: WindowLoader | None = None
+        self._check_same_config((str(strategy), self.policy.name, self._batch_sizes, seed,
+                                 None if loss_scale is None else repr(loss_scale)))
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -141,6 +143,22 @@ class Accelerator:
         return derive_grad_accum_steps(grad_accum_steps=steps, global_batch_size=global_batch,
                                        micro_batch_size=micro_batch_size,
                                        dp_world_size=jax.process_count())
+
+    def _check_same_config(self, mine: tuple[Any, ...]) -> None:
+        """Processes launched with different settings stop here, naming both, instead of
+        training apart (or hanging in a collective of another shape)."""
+        if jax.process_count() == 1:
+            return
+        from jax.experimental import multihost_utils
+
+        text = repr(mine).encode()[:512].ljust(512)
+        every = multihost_utils.process_allgather(np.frombuffer(text, np.uint8))
+        texts = [bytes(row).decode(errors="replace").rstrip() for row in np.asarray(every)]
+        if len(set(texts)) > 1:
+            others = {i: s for i, s in enumerate(texts) if s != texts[0]}
+            raise ConfigError(
+                f"processes disagree on (strategy, precision, batch sizes, seed, loss scale): "
+                f"process 0 has {texts[0]}, others {others}; launch every process alike")
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self, params: Any, optimizer: optax.GradientTransformation,
