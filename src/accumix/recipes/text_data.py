@@ -162,12 +162,15 @@ class ByteDocumentDataset(Dataset):
         return int(self.lengths.sum()) - len(self)
 
 
-def pad_collate(batch: Sequence[torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
+def pad_collate(batch: Sequence[torch.Tensor], pad_id: int = 0, length: int | None = None
+                ) -> dict[str, torch.Tensor]:
     """Turn documents into next-token inputs and labels, padded to the batch's longest.
 
     Args:
         batch: 1-D integer tensors of at least two tokens each.
         pad_id: id placed in padded input positions (their labels are ``-100``).
+        length: pad every batch to this many positions instead (static shapes for a jitted
+            step, which would recompile for each new length).
 
     Returns:
         ``{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}`` with ``T`` the longest
@@ -183,6 +186,10 @@ def pad_collate(batch: Sequence[torch.Tensor], pad_id: int = 0) -> dict[str, tor
     if shortest < 2:
         raise ValueError(f"documents need at least 2 tokens to have a target, got {shortest}")
     seq = max(len(doc) for doc in batch) - 1
+    if length is not None:
+        if seq > length:
+            raise ValueError(f"a document of {seq + 1} tokens does not fit length={length}")
+        seq = length
     input_ids = torch.full((len(batch), seq), pad_id, dtype=torch.int64)
     labels = torch.full((len(batch), seq), IGNORE_INDEX, dtype=torch.int64)
     for row, doc in enumerate(batch):

@@ -1,17 +1,19 @@
-"""The Trainer: the loop of DESIGN.md run for you, through the Accelerator, with callbacks.
+"""The Trainer: the loop of DESIGN.md run for you, with evaluation, checkpoints, logs, callbacks.
 
-Each micro-step is the user's plain loop; the Trainer only adds what a run needs around it::
+The loop is backend-free. A *steps* object runs the training itself and calls
+``trainer.end_window(metrics)`` after every optimizer step, where the loop does the rest::
 
-    with acc.accumulate():
-        loss = step_fn(model, batch)            # mean loss, or (loss_sum, num_items)
-        acc.backward(loss)                      # or acc.backward(loss_sum, num_items=n)
-        norm = acc.clip_grad_norm_(grad_clip)   # boundary only
-        optimizer.step(); scheduler.step(); optimizer.zero_grad()
-    at the boundary: one all_gather of the window's metrics -> callbacks -> evaluation ->
-    the logged row -> checkpoint
+    while not done:
+        steps.run_epoch(trainer)       # torch: micro-steps through the Accelerator
+                                       # (torch_steps.py); JAX: one jitted call per window
+        per optimizer step: end_window -> callbacks -> evaluation -> the logged row ->
+                            checkpoint
 
-Nothing reaches around the Accelerator: K, the boundary, skipped steps and the loss scale are
-its own; the Trainer reads them.
+``Trainer(model=, optimizer=, train_loader=, ...)`` builds the torch steps;
+``Trainer(steps=...)`` takes any other backend's (``accumix.jax.JaxSteps``). The steps object
+provides ``accelerator``, ``optimizer_steps``, ``epoch``, ``batches_per_epoch``,
+``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last)`` and
+``load(path)``.
 """
 
 from __future__ import annotations
@@ -19,40 +21,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-from torch.optim import Optimizer
-from torch.utils.data import DataLoader
-
-from accumix.accelerator import Accelerator
-from accumix.data import AcceleratedDataLoader
 from accumix.errors import ConfigError
-from accumix.optim import AcceleratedOptimizer
 from accumix.trainer.callbacks import LossGuard
-from accumix.trainer.evaluation import evaluate, shard_for_eval
 from accumix.trainer.events import Callback
 from accumix.trainer.loggers import MetricLogger, resolve_loggers
-from accumix.trainer.metrics import StepMetrics, WindowMeter, batch_samples, split_loss
+from accumix.trainer.metrics import StepMetrics
 from accumix.trainer.progress import ProgressBar
 
 log = logging.getLogger("accumix")
-
-StepFn = Callable[[nn.Module, Any], Any]
-
-
-def default_step(model: nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, else
-    ``model(batch)``."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -89,6 +70,8 @@ class Trainer:
         step_fn: ``fn(model, batch)`` returning a 0-dim mean loss or ``(loss_sum, num_items)``;
             default ``model(**batch)`` / ``model(*batch)``.
         val_step_fn: the same for validation (default: ``step_fn``).
+        steps: instead of the torch objects above, another backend's steps object (e.g.
+            ``accumix.jax.JaxSteps``), which owns the model, optimizer and data.
         max_steps: stop after this many real optimizer steps.
         max_epochs: stop after this many epochs (whichever of the two comes first).
         eval_every: evaluate every this many steps (and at the end); None: only at the end.
@@ -110,14 +93,15 @@ class Trainer:
     def __init__(
         self,
         *,
-        model: nn.Module,
-        optimizer: Optimizer,
-        train_loader: DataLoader | AcceleratedDataLoader,
-        accelerator: Accelerator | None = None,
+        model: Any = None,
+        optimizer: Any = None,
+        train_loader: Any = None,
+        accelerator: Any = None,
         scheduler: Any = None,
-        val_loader: DataLoader | None = None,
-        step_fn: StepFn | None = None,
-        val_step_fn: StepFn | None = None,
+        val_loader: Any = None,
+        step_fn: Any = None,
+        val_step_fn: Any = None,
+        steps: Any = None,
         max_steps: int | None = None,
         max_epochs: int | None = None,
         eval_every: int | None = None,
@@ -139,20 +123,16 @@ class Trainer:
                 raise ConfigError(f"{name}={value!r} is invalid; use an integer >= 1 or None")
         if grad_clip is not None and not grad_clip > 0:
             raise ConfigError(f"grad_clip={grad_clip!r} is invalid; use a number > 0 or None")
-        self.accelerator = acc = accelerator if accelerator is not None else Accelerator()
-        if isinstance(optimizer, AcceleratedOptimizer):  # the user set everything up already
-            self.model, self.optimizer, self.train_loader = model, optimizer, train_loader
-            self.scheduler = scheduler
-        else:
-            objects = [model, optimizer, train_loader] + ([scheduler] if scheduler else [])
-            prepared = acc.setup(*objects)
-            self.model, self.optimizer, self.train_loader = prepared[:3]
-            self.scheduler = prepared[3] if scheduler else None
-        if not isinstance(self.train_loader, AcceleratedDataLoader):
-            raise ConfigError("train_loader must be a DataLoader (set up by the Accelerator)")
-        self.step_fn = step_fn or default_step
-        self.val_step_fn = val_step_fn or self.step_fn
-        self.val_loader = val_loader
+        if steps is None:
+            if model is None or optimizer is None or train_loader is None:
+                raise ConfigError("give model=, optimizer= and train_loader= (or steps=)")
+            from accumix.trainer.torch_steps import TorchSteps
+
+            steps = TorchSteps(model=model, optimizer=optimizer, train_loader=train_loader,
+                               accelerator=accelerator, scheduler=scheduler,
+                               val_loader=val_loader, step_fn=step_fn, val_step_fn=val_step_fn)
+        self.steps = steps
+        self.accelerator = acc = steps.accelerator
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.eval_every, self.checkpoint_every = eval_every, checkpoint_every
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -172,7 +152,7 @@ class Trainer:
             raise ConfigError("loggers need run_dir=; give a run directory or loggers=[]")
         self.loggers = resolve_loggers(loggers) if self.run_dir is not None else []
         # State that callbacks read.
-        self.step = acc.optimizer_steps
+        self.step = steps.optimizer_steps
         self.epoch = 0
         self.micro_step = 0  # micro-steps done in the current window
         self.should_stop = False
@@ -182,17 +162,38 @@ class Trainer:
         self._saved_step = -1
         self._evaluated_step = -1
         self._warned_no_checkpoint = False
+        del acc
+
+    # -- the backend's objects, for callbacks ----------------------------------------------------
+    @property
+    def model(self) -> Any:
+        return getattr(self.steps, "model", None)
+
+    @property
+    def optimizer(self) -> Any:
+        return getattr(self.steps, "optimizer", None)
+
+    @property
+    def scheduler(self) -> Any:
+        return getattr(self.steps, "scheduler", None)
+
+    @property
+    def train_loader(self) -> Any:
+        return getattr(self.steps, "train_loader", None)
+
+    @property
+    def val_loader(self) -> Any:
+        return getattr(self.steps, "val_loader", None)
 
     # -- state -------------------------------------------------------------------------------
     @property
     def steps_per_epoch(self) -> int | None:
         """Optimizer steps in one epoch (the last window may be short), if the loader has a
         length and K stays fixed."""
-        try:
-            batches = len(self.train_loader)
-        except TypeError:
+        batches = self.steps.batches_per_epoch
+        if batches is None:
             return None
-        return math.ceil(batches / self.accelerator.grad_accum_steps)
+        return math.ceil(batches / self.steps.grad_accum_steps)
 
     @property
     def total_steps(self) -> int | None:
@@ -202,7 +203,8 @@ class Trainer:
         candidates = [s for s in (self.max_steps, by_epochs) if s is not None]
         return min(candidates) if candidates else None
 
-    def _dispatch(self, event: str, *args: Any) -> None:
+    def dispatch(self, event: str, *args: Any) -> None:
+        """Calls ``event`` on every callback, in order."""
         for callback in self.callbacks:
             getattr(callback, event)(self, *args)
 
@@ -221,7 +223,7 @@ class Trainer:
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self._dispatch("on_fit_start")
+            self.dispatch("on_fit_start")
             if self.resume and self.run_dir is not None:
                 self.load_checkpoint(self.run_dir, missing_ok=True)
             if acc.is_main_process:
@@ -233,34 +235,29 @@ class Trainer:
             if self.checkpoint_every is not None and self._saved_step != self.step:
                 self.save_checkpoint()
         except BaseException as exc:
-            self._dispatch("on_exception", exc)
+            self.dispatch("on_exception", exc)
             raise
         finally:
             for logger in self.loggers if acc.is_main_process else ():
                 logger.close()
-        self._dispatch("on_fit_end")
+        self.dispatch("on_fit_end")
         last = self.last_metrics
         return FitResult(step=self.step, epoch=self.epoch,
                          loss=last.loss if last is not None else math.nan,
                          val_loss=self.last_val.get("val_loss"), resumed_from=self.resumed_from,
                          seconds=time.perf_counter() - started)
 
-    def _done(self) -> bool:
+    def done(self) -> bool:
+        """The run has reached its end (max_steps, or a callback's ``should_stop``)."""
         return self.should_stop or (self.max_steps is not None and self.step >= self.max_steps)
 
     def _train(self) -> None:
-        loader = self.train_loader
-        self._meter = WindowMeter(self.accelerator)
         empty_epochs = 0
-        while not self._done():
-            got_batch = False
-            for batch in loader:
-                got_batch = True
-                self.epoch = loader.epoch
-                self._micro_step(batch)
-                if self.micro_step == 0 and self._done():
-                    return
-            self.epoch = loader.epoch
+        while not self.done():
+            got_batch = self.steps.run_epoch(self)
+            if self.done():
+                return
+            self.epoch = self.steps.epoch
             # A resume at an epoch's very end yields nothing once; twice means no data at all.
             empty_epochs = 0 if got_batch else empty_epochs + 1
             if empty_epochs > 1:
@@ -269,92 +266,50 @@ class Trainer:
             if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
                 return
 
-    def _micro_step(self, batch: Any) -> None:
-        acc, optimizer = self.accelerator, self.optimizer
-        self._dispatch("on_train_batch_start", batch)
-        with acc.accumulate():
-            loss, num_items = split_loss(self.step_fn(self.model, batch))
-            self._meter.add(loss, num_items, batch_samples(batch))
-            self._dispatch("on_before_backward", loss)
-            if acc.sync_gradients:
-                self._meter.mark_ready()
-            if num_items is None:
-                acc.backward(loss)
-            else:
-                acc.backward(loss, num_items=num_items)
-            self._dispatch("on_after_backward")
-            if acc.sync_gradients:
-                grad_norm = acc.clip_grad_norm_(self.grad_clip or math.inf)
-                self._dispatch("on_before_optimizer_step", grad_norm)
-                lrs = [float(group["lr"]) for group in optimizer.param_groups]
-                loss_scale = acc.loss_scale
-                optimizer.step()
-                if self.scheduler is not None:
-                    self.scheduler.step()
-                optimizer.zero_grad()
-        if acc.sync_gradients:
-            self._end_window(grad_norm, lrs, loss_scale)
-        else:
-            self.micro_step += 1
-        self._dispatch("on_train_batch_end", batch)
-
-    def _end_window(self, grad_norm: torch.Tensor | None, lrs: list[float],
-                    loss_scale: float | None) -> None:
-        acc = self.accelerator
-        metrics = self._meter.finish(step=acc.optimizer_steps, epoch=self.epoch, lrs=lrs,
-                                     grad_norm=grad_norm, loss_scale=loss_scale,
-                                     skipped=acc.step_was_skipped)
-        self.step, self.micro_step, self.last_metrics = acc.optimizer_steps, 0, metrics
-        self._dispatch("on_optimizer_step", metrics)
+    def end_window(self, metrics: StepMetrics) -> None:
+        """After an optimizer step (called by the steps object): callbacks, evaluation, the
+        logged row, the checkpoint."""
+        self.step, self.micro_step, self.last_metrics = metrics.step, 0, metrics
+        self.dispatch("on_optimizer_step", metrics)
         stepped = not metrics.skipped
         if stepped and self.eval_every and self.step % self.eval_every == 0:
             metrics.extra.update(self.validate())
-        if acc.is_main_process:
+        if self.accelerator.is_main_process:
             row = metrics.as_row()
             for logger in self.loggers:
                 logger.log(row)
         if stepped and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
-        self._meter.reset()  # evaluation and checkpoint time is not the next window's
 
     # -- evaluation and checkpoints ------------------------------------------------------------
     def validate(self) -> dict[str, float]:
-        """Evaluates on ``val_loader`` over all ranks (collective: every rank calls it).
+        """Evaluates on the validation data over all ranks (collective: every rank calls it).
 
         Returns:
-            ``{"val_loss", "val_items"}``, the same on every rank; ``{}`` without a val_loader.
+            ``{"val_loss", "val_items"}``, the same on every rank; ``{}`` without validation data.
         """
         if self.val_loader is None:
             return {}
-        acc = self.accelerator
-        loader, max_batches = shard_for_eval(self.val_loader, acc.rank, acc.world_size)
-        result = evaluate(self.model, loader, self.val_step_fn, acc, max_batches=max_batches,
-                          sharded=max_batches >= 0)
+        result = self.steps.validate()
         self.last_val, self._evaluated_step = result, self.step
-        self._dispatch("on_validation_end", result)
+        self.dispatch("on_validation_end", result)
         return result
 
     def save_checkpoint(self) -> Path | None:
-        """Saves the run with ``acc.save_state(run_dir)`` (collective).
+        """Saves the run (``acc.save_state(run_dir)``; collective).
 
         Returns:
-            The step directory written, or None without a run directory or without checkpoint
-            support in this accumix (then a warning says so, once).
+            The step directory written, or None without a run directory (a warning says so,
+            once).
         """
-        save = getattr(self.accelerator, "save_state", None)
-        if self.run_dir is None or save is None:
+        if self.run_dir is None:
             if not self._warned_no_checkpoint and self.accelerator.is_main_process:
-                why = ("no run_dir was given" if self.run_dir is None else
-                       "this accumix has no Accelerator.save_state (accumix.checkpoint)")
-                log.warning("checkpoints are off: %s", why)
+                log.warning("checkpoints are off: no run_dir was given")
             self._warned_no_checkpoint = True
             return None
-        kwargs = {"keep_last": self.keep_checkpoints} if self.keep_checkpoints else {}
-        written = save(self.run_dir, **kwargs)
-        path = (Path(written) if isinstance(written, (str, Path))
-                else self.run_dir / f"step-{self.accelerator.optimizer_steps}")
+        path = self.steps.save(self.run_dir, self.keep_checkpoints)
         self._saved_step = self.step
-        self._dispatch("on_save_checkpoint", path)
+        self.dispatch("on_save_checkpoint", path)
         return path
 
     def load_checkpoint(self, path: str | Path, *, missing_ok: bool = False) -> Path | None:
@@ -377,16 +332,12 @@ class Trainer:
             if missing_ok:
                 return None
             raise ConfigError(f"no checkpoint at {str(path)!r}: it has no 'latest'")
-        load = getattr(self.accelerator, "load_state", None)
-        if load is None:
-            raise ConfigError(f"{str(path)!r} holds a checkpoint, but this accumix has no "
-                              "Accelerator.load_state; use resume=False or another run_dir")
-        load(path)
-        self.step = self.accelerator.optimizer_steps
+        self.steps.load(path)
+        self.step = self.steps.optimizer_steps
         self._saved_step = self.step
         self.resumed_from = path
-        self.epoch = self.train_loader.epoch
+        self.epoch = self.steps.epoch
         if self.accelerator.is_main_process:
             log.info("resumed from %s at step %d", path, self.step)
-        self._dispatch("on_load_checkpoint", path)
+        self.dispatch("on_load_checkpoint", path)
         return path

@@ -1,0 +1,163 @@
+"""The Trainer's PyTorch backend: micro-steps through the Accelerator, one window at a time.
+
+The Trainer's loop (``trainer.py``) is backend-free: it asks a steps object to run an epoch and
+is called back at every optimizer step. This one runs the plain loop of DESIGN.md::
+
+    with acc.accumulate():
+        loss = step_fn(model, batch)            # mean loss, or (loss_sum, num_items)
+        acc.backward(loss)                      # or acc.backward(loss_sum, num_items=n)
+        norm = acc.clip_grad_norm_(grad_clip)   # boundary only
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    at the boundary: one all_gather of the window's metrics -> trainer.end_window(metrics)
+
+Nothing reaches around the Accelerator: K, the boundary, skipped steps and the loss scale are
+its own; this only reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from accumix.accelerator import Accelerator
+from accumix.data import AcceleratedDataLoader
+from accumix.errors import ConfigError
+from accumix.optim import AcceleratedOptimizer
+from accumix.trainer.evaluation import evaluate, shard_for_eval
+from accumix.trainer.metrics import WindowMeter, batch_samples, split_loss
+
+if TYPE_CHECKING:
+    from accumix.trainer.trainer import Trainer
+
+StepFn = Callable[[nn.Module, Any], Any]
+
+
+def default_step(model: nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, else
+    ``model(batch)``."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+class TorchSteps:
+    """Sets up the torch objects and runs their micro-steps for the Trainer.
+
+    Args: as ``Trainer``'s of the same names.
+    """
+
+    def __init__(self, *, model: nn.Module, optimizer: Optimizer,
+                 train_loader: DataLoader | AcceleratedDataLoader,
+                 accelerator: Accelerator | None, scheduler: Any, val_loader: DataLoader | None,
+                 step_fn: StepFn | None, val_step_fn: StepFn | None) -> None:
+        self.accelerator = acc = accelerator if accelerator is not None else Accelerator()
+        if isinstance(optimizer, AcceleratedOptimizer):  # the user set everything up already
+            self.model, self.optimizer, self.train_loader = model, optimizer, train_loader
+            self.scheduler = scheduler
+        else:
+            objects = [model, optimizer, train_loader] + ([scheduler] if scheduler else [])
+            prepared = acc.setup(*objects)
+            self.model, self.optimizer, self.train_loader = prepared[:3]
+            self.scheduler = prepared[3] if scheduler else None
+        if not isinstance(self.train_loader, AcceleratedDataLoader):
+            raise ConfigError("train_loader must be a DataLoader (set up by the Accelerator)")
+        self.step_fn = step_fn or default_step
+        self.val_step_fn = val_step_fn or self.step_fn
+        self.val_loader = val_loader
+        self._meter: WindowMeter | None = None
+
+    # -- what the loop reads -------------------------------------------------------------------
+    @property
+    def optimizer_steps(self) -> int:
+        return self.accelerator.optimizer_steps
+
+    @property
+    def epoch(self) -> int:
+        return self.train_loader.epoch
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        try:
+            return len(self.train_loader)
+        except TypeError:
+            return None
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.accelerator.grad_accum_steps
+
+    # -- the epoch ------------------------------------------------------------------------------
+    def run_epoch(self, trainer: Trainer) -> bool:
+        """One pass over the loader, calling ``trainer.end_window`` at every boundary; returns
+        early when the trainer is done after a window. Returns whether any batch came."""
+        if self._meter is None:
+            self._meter = WindowMeter(self.accelerator)
+        got_batch = False
+        for batch in self.train_loader:
+            got_batch = True
+            trainer.epoch = self.train_loader.epoch
+            self._micro_step(trainer, batch)
+            if trainer.micro_step == 0 and trainer.done():
+                break
+        return got_batch
+
+    def _micro_step(self, trainer: Trainer, batch: Any) -> None:
+        acc, optimizer, meter = self.accelerator, self.optimizer, self._meter
+        assert meter is not None
+        trainer.dispatch("on_train_batch_start", batch)
+        with acc.accumulate():
+            loss, num_items = split_loss(self.step_fn(self.model, batch))
+            meter.add(loss, num_items, batch_samples(batch))
+            trainer.dispatch("on_before_backward", loss)
+            if acc.sync_gradients:
+                meter.mark_ready()
+            if num_items is None:
+                acc.backward(loss)
+            else:
+                acc.backward(loss, num_items=num_items)
+            trainer.dispatch("on_after_backward")
+            if acc.sync_gradients:
+                grad_norm = acc.clip_grad_norm_(trainer.grad_clip or math.inf)
+                trainer.dispatch("on_before_optimizer_step", grad_norm)
+                lrs = [float(group["lr"]) for group in optimizer.param_groups]
+                loss_scale = acc.loss_scale
+                optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                optimizer.zero_grad()
+        if acc.sync_gradients:
+            metrics = meter.finish(step=acc.optimizer_steps, epoch=trainer.epoch, lrs=lrs,
+                                   grad_norm=grad_norm, loss_scale=loss_scale,
+                                   skipped=acc.step_was_skipped)
+            trainer.end_window(metrics)
+            meter.reset()  # evaluation and checkpoint time is not the next window's
+        else:
+            trainer.micro_step += 1
+        trainer.dispatch("on_train_batch_end", batch)
+
+    # -- evaluation and checkpoints --------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        """The validation loss over all ranks (collective); ``{}`` without a val_loader."""
+        if self.val_loader is None:
+            return {}
+        acc = self.accelerator
+        loader, max_batches = shard_for_eval(self.val_loader, acc.rank, acc.world_size)
+        return evaluate(self.model, loader, self.val_step_fn, acc, max_batches=max_batches,
+                        sharded=max_batches >= 0)
+
+    def save(self, run_dir: Path, keep_last: int | None) -> Path:
+        kwargs = {"keep_last": keep_last} if keep_last else {}
+        written = self.accelerator.save_state(run_dir, **kwargs)
+        return Path(written) if isinstance(written, (str, Path)) else (
+            run_dir / f"step-{self.accelerator.optimizer_steps}")
+
+    def load(self, path: Path) -> None:
+        self.accelerator.load_state(path)
