@@ -68,12 +68,17 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    run = default.run
+    if config.backend == "jax":
+        from accumix.recipes import default_jax
+
+        run = default_jax.run
     if detect_launch_env().launcher != "none":  # a launcher started us: we are one rank
-        return default.run(config)
+        return run(config)
     plan = plan_launch(nproc=config.nproc)
     # Checked here so a batch that does not divide is one line, not a failure on every rank.
     derive_grad_accum_steps(grad_accum_steps=None, global_batch_size=config.global_batch_size,
                             micro_batch_size=config.micro_batch_size, dp_world_size=plan.nproc)
     if plan.nproc == 1:
-        return default.run(config)
+        return run(config)
     return run_torchrun(plan, "accumix.cli.main", ["train", *args.items], module=True)

@@ -28,12 +28,12 @@ from jax.sharding import PartitionSpec as P
 from accumix.batch_sizes import derive_grad_accum_steps
 from accumix.errors import ConfigError
 from accumix.jax import checkpoint, distributed
-from accumix.jax.data import Window, WindowLoader, make_window
+from accumix.jax.data import Window, WindowLoader, canonical, make_window
 from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
-from accumix.jax.step import LossFn, build_step
-from accumix.jax.strategies import JaxStrategy, choose_auto, resolve_jax_strategy
+from accumix.jax.step import LossFn, build_eval, build_step
+from accumix.jax.strategies import AXIS, JaxStrategy, choose_auto, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
 from accumix.precision.loss_scale import DynamicLossScale
 
@@ -132,6 +132,15 @@ class Accelerator:
             raise ConfigError("global_batch_size was given without micro_batch_size and no "
                               "DataLoader was set up to take it from; pass micro_batch_size=")
         return self._grad_accum_steps
+
+    def peak_flops(self) -> float | None:
+        """One device's datasheet bf16 peak FLOP/s (for MFU): GPUs only, half precision only."""
+        device = jax.local_devices()[0]
+        if device.platform != "gpu" or self.policy.compute_dtype == jax.numpy.float32:
+            return None
+        from accumix.trainer.callbacks import peak_flops_by_name
+
+        return peak_flops_by_name(device.device_kind)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
@@ -267,6 +276,20 @@ class Accelerator:
                             state_shardings=self._shardings)
         return TrainStep(jitted, self, check_every)
 
+    def eval_step(self, loss_fn: LossFn) -> EvalStep:
+        """A jitted evaluation of one batch: ``loss_sum, num_items = evaluate(state, batch)``.
+
+        ``batch`` is this process's rows (a pytree of numpy arrays); ``loss_fn`` is called with
+        ``rng=None``. Pass ``weight=0.0`` on a process that has run out of batches (it repeats
+        one so that every process makes the same collective calls). The sums are device
+        scalars over every process: add them up and read them once.
+        """
+        if self._shardings is None:
+            raise ConfigError("call state = acc.setup(params, optimizer) before acc.eval_step")
+        jitted = build_eval(loss_fn, strategy=self.strategy, policy=self.policy,
+                            state_shardings=self._shardings)
+        return EvalStep(jitted, self)
+
     def check(self, state: TrainState) -> None:
         """Raises ``LossScaleError`` if fp16 overflowed at the loss-scale floor (a host read)."""
         self.scaler.check(state.loss_scale)
@@ -320,6 +343,27 @@ class TrainStep:
     def lower(self, state: TrainState, window: Window) -> Any:
         """``jax.jit(...).lower`` of the step (for HLO inspection)."""
         return self.jitted.lower(state, window)
+
+
+class EvalStep:
+    """``acc.eval_step``'s callable: this process's rows in, the global sums out."""
+
+    def __init__(self, jitted: Any, acc: Accelerator) -> None:
+        self.jitted, self._acc = jitted, acc
+
+    def __call__(self, state: TrainState, batch: Any, weight: float = 1.0
+                 ) -> tuple[jax.Array, jax.Array]:
+        strategy = self._acc.strategy
+        rows = strategy.sharding(P(AXIS))
+        local = jax.tree.map(canonical, batch)
+        first = jax.tree.leaves(local)[0]
+        if first.shape[0] % self._acc.local_devices:
+            raise ConfigError(f"an evaluation batch of {first.shape[0]} rows cannot be split "
+                              f"over this process's {self._acc.local_devices} devices")
+        arrays = jax.tree.map(lambda a: jax.make_array_from_process_local_data(rows, a), local)
+        weights = jax.make_array_from_process_local_data(
+            rows, np.full(first.shape[0], weight, np.float32))
+        return self.jitted(state, arrays, weights)
 
 
 def _global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -34,6 +34,18 @@ class Window:
     mask: jax.Array
 
 
+def canonical(value: Any) -> np.ndarray:
+    """A numpy array in the dtype JAX will hold it in (int64 -> int32, float64 -> float32
+    unless x64 is on), converted here once instead of warned about per leaf."""
+    arr = np.asarray(value)
+    if not jax.config.jax_enable_x64:
+        if arr.dtype == np.int64:
+            return arr.astype(np.int32)
+        if arr.dtype == np.float64:
+            return arr.astype(np.float32)
+    return arr
+
+
 def make_window(micro_batches: list[Any], *, grad_accum_steps: int, strategy: JaxStrategy,
                 local_devices: int) -> Window:
     """This process's micro-batches (pytrees of numpy arrays, rows first) as a global window.
@@ -54,7 +66,7 @@ def make_window(micro_batches: list[Any], *, grad_accum_steps: int, strategy: Ja
         parts = []
         for j, micro in enumerate(micro_batches):
             leaves = treedef.flatten_up_to(micro)
-            arr = np.asarray(leaves[i])
+            arr = canonical(leaves[i])
             if arr.shape != np.shape(leaf):
                 raise ConfigError(
                     f"micro-batch {j} has a leaf of shape {arr.shape}, micro-batch 0 "
@@ -98,6 +110,7 @@ class WindowLoader:
         self._make = make
         self._is_last = False
         self._warned = False
+        self.last_samples = 0  # this process's rows in the window last yielded
         loader._on_batch = self._on_batch
 
     def _on_batch(self, is_last: bool) -> None:
@@ -121,8 +134,18 @@ class WindowLoader:
             else:
                 group.append(micro)
             if group and (len(group) == self.grad_accum_steps or self._is_last):
-                yield self._make(group)
+                window = self._make(group)
+                self.last_samples = len(group) * (batch_size or rows)
+                yield window
                 group = []
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.loader.batch_size
 
     def state_dict(self) -> dict[str, int]:
         return {**self.loader.state_dict(), **self.loader.sampling_state()}

@@ -73,6 +73,14 @@ def _is_scalar(x: Any) -> bool:
     return isinstance(x, (int, float)) or (hasattr(x, "shape") and tuple(x.shape) == ())
 
 
+def is_item_mode(loss_fn: LossFn, params: Any, window: Any) -> bool:
+    """Whether ``loss_fn`` returns ``(loss_sum, num_items)`` (traced once, abstractly)."""
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), window.batch)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    out = jax.eval_shape(loss_fn, shapes, micro, jax.random.key(0))
+    return split_loss_output(out)[1] is not None
+
+
 def build_step(
     loss_fn: LossFn,
     *,
@@ -188,3 +196,33 @@ def build_step(
 def _all_finite(tree: Any) -> jax.Array:
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def build_eval(loss_fn: LossFn, *, strategy: JaxStrategy, policy: JaxPolicy,
+               state_shardings: TrainState) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """The jitted ``(state, batch, weight) -> (loss_sum, num_items)`` of one evaluation batch.
+
+    ``batch`` leaves are ``[rows, ...]`` sharded over the data axis and ``weight`` is ``[rows]``
+    (one value per process: 0 for a process that ran out of batches and repeats its last one,
+    so every process runs the same number of collective calls). Mean-mode losses count as
+    ``mean x rows``.
+    """
+    param_specs = jax.tree.map(lambda s: s.spec, state_shardings.params)
+
+    def local(params_c: Any, batch: Any, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+        full = strategy.gather_params(params_c, param_specs)
+        loss, items, _ = split_loss_output(loss_fn(full, batch, None))
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if items is None:  # a mean over this device's rows
+            loss, items = loss * rows, rows
+        w = weight[0]
+        sums = (loss.astype(jnp.float32) * w, jnp.asarray(items, jnp.float32) * w)
+        return jax.lax.psum(sums, AXIS)
+
+    def evaluate(state: TrainState, batch: Any, weight: jax.Array) -> tuple[jax.Array, ...]:
+        params_c = policy.cast_to_compute(state.params)
+        specs = jax.tree.map(lambda _: P(AXIS), batch)
+        return jax.shard_map(local, mesh=strategy.mesh, in_specs=(param_specs, specs, P(AXIS)),
+                             out_specs=(P(), P()), check_vma=False)(params_c, batch, weight)
+
+    return jax.jit(evaluate)

@@ -34,6 +34,9 @@ from accumix.recipes.text_data import (
 )
 from accumix.strategies.registry import STRATEGY_WORDS
 
+BACKENDS = ("torch", "jax")
+MODEL_FILE = "model.safetensors"
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DataConfig:
@@ -112,6 +115,9 @@ class TrainConfig:
 
     Args:
         name: the run's name; the run directory is ``runs/<name>`` unless ``output_dir``.
+        backend: ``torch`` (accumix) or ``jax`` (accumix.jax): the same model, data and outputs.
+        init_from: a ``model.safetensors`` to start from (written by either backend's run:
+            ``<run_dir>/model.safetensors``), instead of a fresh initialisation.
         output_dir: the run directory (metrics, checkpoints, plot).
         nproc: processes to launch on this machine: ``auto`` (GPUs, else CPU cores) or N.
         seed: seeds every rank identically (model init, shuffling).
@@ -134,6 +140,8 @@ class TrainConfig:
     """
 
     name: str = "gpt-stdlib"
+    backend: str = "torch"
+    init_from: str | None = None
     output_dir: str | None = None
     nproc: int | Literal["auto"] = "auto"
     seed: int = 0
@@ -156,6 +164,15 @@ class TrainConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r} is invalid; use one of "
+                              f"{', '.join(BACKENDS)}")
+        if self.backend == "jax" and self.strategy == "deepspeed":
+            raise ConfigError("strategy='deepspeed' is a PyTorch engine; with backend=jax use "
+                              "zero1 or fsdp (or backend=torch)")
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise ConfigError(f"init_from={self.init_from!r} is not a file; give a "
+                              "model.safetensors written by accumix train")
         if self.strategy not in STRATEGY_WORDS:
             raise ConfigError(f"strategy={self.strategy!r} is invalid; use one of "
                               f"{', '.join(STRATEGY_WORDS)}")
@@ -224,7 +241,6 @@ def run(config: TrainConfig) -> int:
         ConfigError: settings that cannot work here (batch sizes that do not divide, ...).
     """
     import accumix as ax
-    from accumix.cli.plot import plot_metrics
     from accumix.trainer import ThroughputMonitor, Trainer, scale_lr, warmup_schedule
 
     started = time.perf_counter()
@@ -237,6 +253,8 @@ def run(config: TrainConfig) -> int:
     train = ByteDocumentDataset(train_files, block, max_bytes=config.data.max_train_bytes)
     val = ByteDocumentDataset(val_files, block, max_bytes=config.data.max_val_bytes)
     model = GPT(config.model)
+    if config.init_from is not None:
+        load_weights(model, config.init_from)
     opt_cfg = config.optimizer
     lr = opt_cfg.lr
     if opt_cfg.base_batch_size is not None:
@@ -272,6 +290,20 @@ def run(config: TrainConfig) -> int:
         f"run directory {config.run_dir}", flush=True)
     result = trainer.fit()
     unwrapped = acc.unwrap(trainer.model)
+    acc.save_model(config.run_dir)  # the weights both backends load: init_from=<this file>
+    report(acc, config, result, num_val=len(val), started=started)
+    if config.sample.max_new_tokens > 0:
+        # Every rank generates the same text: a sharded model's forward is collective.
+        text = generate(unwrapped, config.sample, seed=config.seed)
+        acc.print("sample:\n" + text, flush=True)
+    acc.end()
+    return 0
+
+
+def report(acc: Any, config: TrainConfig, result: Any, *, num_val: int, started: float) -> None:
+    """The run's closing lines on the main process (either backend), and the plot."""
+    from accumix.cli.plot import plot_metrics
+
     if acc.is_main_process:
         if math.isnan(result.loss) and result.resumed_from is not None:
             print(f"nothing to train: {result.resumed_from} is already at step {result.step} "
@@ -282,7 +314,7 @@ def run(config: TrainConfig) -> int:
             summary += f", train loss {result.loss:.4f}"
         if result.val_loss is not None:
             summary += (f", validation loss {result.val_loss:.4f} (perplexity "
-                        f"{math.exp(result.val_loss):.2f} per byte) on {len(val)} held-out "
+                        f"{math.exp(result.val_loss):.2f} per byte) on {num_val} held-out "
                         "documents")
         print(f"{summary}; {time.perf_counter() - started:.0f}s", flush=True)
         if config.plot and (config.run_dir / "metrics.csv").exists():
@@ -290,12 +322,28 @@ def run(config: TrainConfig) -> int:
                 print(f"plot: {plot_metrics(config.run_dir)}", flush=True)
             except ConfigError as exc:
                 print(f"plot: skipped ({exc})", flush=True)
-    if config.sample.max_new_tokens > 0:
-        # Every rank generates the same text: a sharded model's forward is collective.
-        text = generate(unwrapped, config.sample, seed=config.seed)
-        acc.print("sample:\n" + text, flush=True)
-    acc.end()
-    return 0
+
+
+def load_weights(model: GPT, path: str) -> None:
+    """Loads a ``model.safetensors`` of either backend into ``model`` (strict).
+
+    Raises:
+        ConfigError: the file's keys or shapes do not fit ``model`` (another model shape).
+    """
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    expected = model.state_dict()
+    wrong = sorted(k for k in expected if k in tensors
+                   and tuple(tensors[k].shape) != tuple(expected[k].shape))
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if wrong or missing or extra:
+        detail = (f"{wrong[0]} is {tuple(tensors[wrong[0]].shape)}, this model's "
+                  f"{tuple(expected[wrong[0]].shape)}" if wrong else
+                  f"missing {missing[:3]}, unexpected {extra[:3]}")
+        raise ConfigError(f"init_from={path!r} does not fit this GPT ({detail}); set model.* to "
+                          "the shape it was trained with")
+    model.load_state_dict(tensors)
 
 
 @torch.no_grad()

@@ -63,7 +63,11 @@ def peak_flops_of(device: torch.device, half_precision: bool) -> float | None:
     """The datasheet bf16/fp16 peak FLOP/s of a known GPU; None on CPUs, in fp32, or unknown."""
     if device.type != "cuda" or not half_precision:
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_flops_by_name(torch.cuda.get_device_name(device))
+
+
+def peak_flops_by_name(name: str) -> float | None:
+    """The datasheet bf16 peak FLOP/s of a GPU named ``name`` (e.g. "NVIDIA H200"), or None."""
     return next((peak for key, peak in _PEAK_FLOPS if key in name), None)
 
 
@@ -90,7 +94,10 @@ class ThroughputMonitor(Callback):
     def on_fit_start(self, trainer: Trainer) -> None:
         if self.peak_flops is None:
             acc = trainer.accelerator
-            self.peak_flops = peak_flops_of(acc.device, acc.policy.half_dtype is not None)
+            if hasattr(acc, "peak_flops"):  # a backend that knows its devices (accumix.jax)
+                self.peak_flops = acc.peak_flops()
+            else:
+                self.peak_flops = peak_flops_of(acc.device, acc.policy.half_dtype is not None)
 
     @override
     def on_optimizer_step(self, trainer: Trainer, metrics: StepMetrics) -> None:

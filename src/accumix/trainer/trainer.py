@@ -12,8 +12,8 @@ The loop is backend-free. A *steps* object runs the training itself and calls
 ``Trainer(model=, optimizer=, train_loader=, ...)`` builds the torch steps;
 ``Trainer(steps=...)`` takes any other backend's (``accumix.jax.JaxSteps``). The steps object
 provides ``accelerator``, ``optimizer_steps``, ``epoch``, ``batches_per_epoch``,
-``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last)`` and
-``load(path)``.
+``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last)``,
+``load(path)`` and optionally ``close()`` (called when ``fit`` ends).
 """
 
 from __future__ import annotations
@@ -240,6 +240,9 @@ class Trainer:
         finally:
             for logger in self.loggers if acc.is_main_process else ():
                 logger.close()
+            close = getattr(self.steps, "close", None)
+            if close is not None:
+                close()
         self.dispatch("on_fit_end")
         last = self.last_metrics
         return FitResult(step=self.step, epoch=self.epoch,

@@ -1,0 +1,207 @@
+"""The default recipe on JAX (``accumix train backend=jax``): the same GPT, data and outputs.
+
+The model is ``recipes/gpt_jax.py`` (plain JAX, the torch GPT's parameter names and layout);
+the data, the config, the Trainer's loop, the loggers, the progress line, the LR schedule, the
+plot and the closing report are the torch recipe's own. What differs is only the step: one
+jitted call per window through ``accumix.jax`` (``JaxSteps``), documents padded to
+``block_size`` so the step compiles once, and metrics read from the device every few steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from accumix.errors import ConfigError
+from accumix.recipes import gpt_jax
+from accumix.recipes.default import MODEL_FILE, SampleConfig, TrainConfig, report, text_files
+from accumix.recipes.gpt import IGNORE_INDEX, GPTConfig
+from accumix.recipes.text_data import (
+    ByteDocumentDataset,
+    decode,
+    encode,
+    pad_collate,
+    split_files,
+)
+
+
+def padded_collate(batch: list[torch.Tensor], *, length: int, rows: int) -> dict[str, Any]:
+    """``pad_collate`` to ``length`` positions and ``rows`` rows: static shapes for the jitted
+    step; added rows have no labels (-100), so they change no sum."""
+    out = pad_collate(batch, length=length)
+    missing = rows - out["input_ids"].shape[0]
+    if missing > 0:
+        out = {"input_ids": torch.cat([out["input_ids"],
+                                       torch.zeros(missing, length, dtype=torch.int64)]),
+               "labels": torch.cat([out["labels"],
+                                    torch.full((missing, length), IGNORE_INDEX)])}
+    return out
+
+
+def optimizer_and_schedule(config: TrainConfig, params: Any, total_steps: int,
+                           global_batch_size: int) -> tuple[Any, Any]:
+    """AdamW with the torch recipe's settings and schedule (``WarmupDecay``, tabulated so both
+    backends use the very same numbers), decay on matrices only."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from accumix.trainer import WarmupDecay, scale_lr
+
+    opt = config.optimizer
+    lr = opt.lr
+    if opt.base_batch_size is not None:
+        lr = scale_lr(lr, global_batch_size=global_batch_size,
+                      base_batch_size=opt.base_batch_size, rule=opt.scale_rule)
+    decay = WarmupDecay(warmup_steps=min(opt.warmup_steps, total_steps), total_steps=total_steps,
+                        decay=opt.decay, min_ratio=opt.min_lr_ratio)
+    table = np.asarray([lr * decay(step) for step in range(total_steps + 1)], np.float32)
+
+    def schedule(count: Any) -> Any:
+        return jnp.asarray(table)[jnp.minimum(count, total_steps)]
+
+    mask = jax.tree.map(lambda p: np.ndim(p) >= 2, params)  # nanoGPT's split, as on torch
+    tx = optax.adamw(schedule, b1=opt.betas[0], b2=opt.betas[1], eps=1e-8,
+                     weight_decay=opt.weight_decay, mask=mask)
+    return tx, (lambda step: float(table[min(step, total_steps)]))
+
+
+def initial_params(config: TrainConfig) -> dict[str, Any]:
+    """A fresh init, or ``init_from``'s weights (either backend's ``model.safetensors``).
+
+    Raises:
+        ConfigError: the file does not fit the model's shape.
+    """
+    if config.init_from is None:
+        return gpt_jax.init_params(config.model, seed=config.seed)
+    from safetensors.numpy import load_file
+
+    try:
+        return gpt_jax.from_torch_keys(load_file(config.init_from), config.model)
+    except ValueError as exc:
+        raise ConfigError(f"init_from={config.init_from!r}: {exc}") from exc
+
+
+def run(config: TrainConfig) -> int:
+    """Trains the recipe with accumix.jax on the processes this one was launched with."""
+    import accumix.jax as axj
+    from accumix.jax.trainer_steps import JaxSteps
+    from accumix.trainer import ThroughputMonitor, Trainer
+
+    started = time.perf_counter()
+    acc = axj.Accelerator(strategy=config.strategy, precision=config.precision,
+                          global_batch_size=config.global_batch_size,
+                          micro_batch_size=config.micro_batch_size, seed=config.seed)
+    files = text_files(config.data)
+    train_files, val_files = split_files(files, config.data.val_fraction, seed=config.data.seed)
+    block = config.model.block_size
+    train = ByteDocumentDataset(train_files, block, max_bytes=config.data.max_train_bytes)
+    val = ByteDocumentDataset(val_files, block, max_bytes=config.data.max_val_bytes)
+    collate = partial(padded_collate, length=block, rows=config.micro_batch_size)
+    loader = DataLoader(train, batch_size=config.micro_batch_size, shuffle=True,
+                        collate_fn=collate)
+    per_rank_batches = math.ceil(math.ceil(len(train) / acc.world_size) / config.micro_batch_size)
+    steps_per_epoch = math.ceil(per_rank_batches / acc.grad_accum_steps)
+    total = min(s for s in (config.max_steps, config.max_epochs and
+                            config.max_epochs * steps_per_epoch) if s)
+    params = initial_params(config)
+    tx, lr_at = optimizer_and_schedule(config, params, total, config.global_batch_size)
+    state, windows = acc.setup(params, tx, loader)
+    model_cfg = config.model
+
+    def loss_fn(p: Any, batch: Any, rng: Any) -> Any:
+        return gpt_jax.loss_sum(p, batch, model_cfg, rng if model_cfg.dropout else None)
+
+    steps = JaxSteps(accelerator=acc, state=state, train_windows=windows, loss_fn=loss_fn,
+                     val_loader=DataLoader(val, batch_size=config.micro_batch_size,
+                                           collate_fn=collate),
+                     lr=lr_at)
+    trainer = Trainer(
+        steps=steps, max_steps=config.max_steps, max_epochs=config.max_epochs,
+        eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
+        run_dir=config.run_dir, resume=config.resume, grad_clip=config.grad_clip,
+        progress_bar=config.progress_bar,
+        callbacks=[ThroughputMonitor(flops_per_item=gpt_jax.flops_per_token(model_cfg))],
+    )
+    num_params = sum(int(np.prod(np.shape(x))) for x in _leaves(params)) - block * model_cfg.n_embd
+    acc.print(
+        f"accumix train (jax): {num_params / 1e6:.1f}M-parameter GPT on {len(train_files)} "
+        f"files ({train.num_targets / 1e6:.1f}M training bytes in {len(train)} documents; "
+        f"{len(val_files)} files held out)\n"
+        f"  {acc.world_size} process(es) x {acc.local_devices} device(s), strategy "
+        f"{acc.strategy.name}, precision {acc.policy.name}, global batch "
+        f"{config.global_batch_size} = micro batch {config.micro_batch_size} x "
+        f"{acc.world_size} process(es) x K={acc.grad_accum_steps}; run directory "
+        f"{config.run_dir}", flush=True)
+    result = trainer.fit()
+    save_weights(acc, steps.state, config.run_dir, model_cfg)
+    report(acc, config, result, num_val=len(val), started=started)
+    if config.sample.max_new_tokens > 0:
+        text = generate(steps.state.params, model_cfg, config.sample, seed=config.seed)
+        acc.print("sample:\n" + text, flush=True)
+    return 0
+
+
+def _leaves(tree: Any) -> list[Any]:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def save_weights(acc: Any, state: Any, run_dir: Path, model: GPTConfig) -> Path:
+    """``run_dir/model.safetensors`` with the torch GPT's keys (the tied head included), so
+    ``accumix train init_from=...`` loads it on either backend. Collective."""
+    import jax
+    from jax.experimental import multihost_utils
+    from safetensors.numpy import save_file
+
+    full = jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True), state.params)
+    path = run_dir / MODEL_FILE
+    if acc.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        flat = gpt_jax.to_torch_keys(full, model)
+        tensors = {k: np.ascontiguousarray(v) for k, v in flat.items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def generate(params: Any, model: GPTConfig, sample: SampleConfig, *, seed: int = 0) -> str:
+    """Continues ``sample.prompt`` (temperature, top-k), reproducibly; every process alike."""
+    import jax
+    import jax.numpy as jnp
+
+    block = model.block_size
+    prompt = encode(sample.prompt).numpy().astype(np.int32)
+    tokens = np.zeros(block, np.int32)
+    count = min(len(prompt), block)
+    tokens[:count] = prompt[-count:]
+    out = list(prompt)
+
+    @jax.jit
+    def next_token(p: Any, ids: jax.Array, position: jax.Array, key: jax.Array) -> jax.Array:
+        logits = gpt_jax.logits(p, ids[None], model)[0, position].astype(jnp.float32)
+        if sample.temperature <= 0:
+            return jnp.argmax(logits)
+        logits = logits / sample.temperature
+        if sample.top_k is not None:
+            kth = jax.lax.top_k(logits, min(sample.top_k, logits.shape[-1]))[0][-1]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        return jax.random.categorical(key, logits)
+
+    key = jax.random.key(seed)
+    for i in range(sample.max_new_tokens):
+        if count == block:  # slide: keep the last block_size - 1 tokens
+            tokens[:-1], count = tokens[1:].copy(), block - 1
+        chosen = next_token(params, jnp.asarray(tokens), count - 1, jax.random.fold_in(key, i))
+        token = int(np.asarray(chosen.addressable_data(0)))
+        tokens[count] = token
+        count += 1
+        out.append(token)
+    return decode(out)
