@@ -66,3 +66,25 @@ def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: P
     assert len(messages) == 2 and messages[0] == messages[1]
     assert "processes disagree" in messages[0] and "(2, None, None)" in messages[0]
     assert "(3, None, None)" in messages[0]
+
+
+def test_the_jax_recipe_trains_on_two_processes(tmp_path: Path) -> None:
+    """``accumix launch --nproc 2 -m accumix.cli.main train backend=jax``: one world of 2."""
+    import csv
+
+    short = ["max_steps=4", "eval_every=4", "checkpoint_every=4", "model.n_layer=1",
+             "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_files=8",
+             "data.max_val_bytes=2000", "sample.max_new_tokens=4", "global_batch_size=16",
+             "micro_batch_size=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=1",
+             "progress_bar=false", "plot=false"]
+    cmd = [*ACCUMIX, "launch", "--nproc", "2", "-m", "accumix.cli.main", "train",
+           "backend=jax", *short, f"output_dir={tmp_path}"]
+    done = subprocess.run(cmd, env=_env(1), capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 process(es) x 1 device(s), strategy ddp" in done.stdout
+    with (tmp_path / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"]) and rows[-1]["val_loss"]
+    assert (tmp_path / "step-4").is_dir() and (tmp_path / "model.safetensors").is_file()

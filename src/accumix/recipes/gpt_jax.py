@@ -133,12 +133,13 @@ def from_torch_keys(tensors: dict[str, np.ndarray], config: GPTConfig) -> Params
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
-        raise ValueError(f"the weights do not fit this GPT: missing {missing[:4]}, "
-                         f"unexpected {extra[:4]}")
+        raise ValueError(f"does not fit this GPT: missing {missing[:4]}, unexpected "
+                         f"{extra[:4]}; set model.* to the shape it was trained with")
     for key, value in expected.items():
         if tuple(tensors[key].shape) != value.shape:
-            raise ValueError(f"{key} has shape {tuple(tensors[key].shape)}, this GPT's is "
-                             f"{value.shape}; set model.* to the saved model's shape")
+            raise ValueError(f"does not fit this GPT: {key} is {tuple(tensors[key].shape)}, "
+                             f"this GPT's {value.shape}; set model.* to the shape it was "
+                             "trained with")
     params = init_params(config)
 
     def put(path: tuple[Any, ...], _: Any) -> np.ndarray:
