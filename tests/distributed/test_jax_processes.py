@@ -59,6 +59,20 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     assert resharded["max_diff"] < 1e-6
 
 
+def test_a_dataloader_sharded_per_process_trains_and_resumes_mid_epoch(tmp_path: Path) -> None:
+    """Each process's loader takes its shard; the global windows equal the two shards side by
+    side (short last window included); a mid-epoch save resumes bitwise in new processes."""
+    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "loader"], devices=1)
+    first = _results(tmp_path, "loader")
+    assert all(r["max_diff"] < 1e-6 for r in first), [r["max_diff"] for r in first]
+    meta = json.loads((tmp_path / "loader-run" / "step-3" / "meta.json").read_text())
+    assert (meta["loader"]["epoch"], meta["loader"]["position"]) == (1, 2)
+    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "loader-resume"],
+         devices=1)
+    resumed = _results(tmp_path, "loader-resume")
+    assert [r["params"] for r in resumed] == [first[0]["params"]] * 2
+
+
 def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: Path) -> None:
     _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "mismatch"],
          devices=1)

@@ -3,6 +3,8 @@
     python jax_train.py OUT_DIR train    # ddp and fsdp vs the large batch; fsdp saves at step 2
     python jax_train.py OUT_DIR resume   # loads step 2, continues; writes its params
     python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError
+    python jax_train.py OUT_DIR loader   # a torch DataLoader sharded per process, saved mid-epoch
+    python jax_train.py OUT_DIR loader-resume
 
 Each process feeds only its rows of every global micro-batch; the reference (one device, the
 whole window) is computed in every process from the same data. Results: OUT_DIR/*.json, *.npz.
@@ -42,7 +44,76 @@ def flat(params) -> dict[str, np.ndarray]:
             jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
+class Rows:
+    """24 rows of the ragged workload as a map-style dataset (3 batches of 4 per process)."""
+
+    def __init__(self) -> None:
+        self.rows = w.concat(w.micro_batches(12, rows=2, seed=11))
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        return {k: v[i] for k, v in self.rows.items()}
+
+
+def loader_reference(windows_taken: int) -> list[list[dict[str, np.ndarray]]]:
+    """The global windows the 2 processes' loaders assemble, rebuilt here from both ranks'
+    shards (rank r takes every 2nd shuffled index): micro-batch m is rank 0's m-th batch then
+    rank 1's."""
+    import torch
+
+    from accumix.data import AcceleratedDataLoader
+    from accumix.jax.data import to_numpy
+
+    shards = []
+    for rank in (0, 1):
+        loader = AcceleratedDataLoader(
+            torch.utils.data.DataLoader(Rows(), batch_size=4, shuffle=True),
+            device=torch.device("cpu"), rank=rank, world_size=2, seed=5,
+            on_batch=lambda _: None)
+        epochs = [[to_numpy(b) for b in loader] for _ in range(2)]
+        shards.append([[e[0:2], e[2:3]] for e in epochs])  # K=2: a full and a short window
+    windows = []
+    for epoch in range(2):
+        for index in range(2):
+            micro = [w.concat([shards[0][epoch][index][m], shards[1][epoch][index][m]])
+                     for m in range(len(shards[0][epoch][index]))]
+            windows.append(micro)
+    return windows[:windows_taken]
+
+
+def train_with_loader(out: Path, mode: str) -> None:
+    import torch
+
+    acc = axj.Accelerator(strategy="fsdp", precision="fp32", grad_accum_steps=K, seed=5)
+    state, windows = acc.setup(w.init_params(), w.optimizer(),
+                               torch.utils.data.DataLoader(Rows(), batch_size=4, shuffle=True))
+    step = acc.train_step(w.item_loss)
+    taken = 0
+    if mode == "loader-resume":
+        state = acc.load_state(out / "loader-run", state)
+        taken = int(state.step)
+    while taken < 4:
+        for window in windows:
+            state, _ = step(state, window)
+            taken += 1
+            if mode == "loader" and taken == 3:
+                acc.save_state(out / "loader-run", state)
+            if taken == 4:
+                break
+    gathered = jax.tree.map(
+        lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
+        state.params)
+    result = {"max_diff": w.max_diff(gathered, w.reference(loader_reference(4), items=True)),
+              "params": {k: v.tolist() for k, v in flat(gathered).items()}}
+    (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
+
+
 def main(out: Path, mode: str, saved_processes: int) -> None:
+    if mode.startswith("loader"):
+        train_with_loader(out, mode)
+        return
     if mode == "mismatch":
         try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
             axj.Accelerator(strategy="ddp", precision="fp32",
