@@ -1,0 +1,61 @@
+"""bench/jax_accum.py runs in its tiny configuration and prints the table it promises.
+
+The script runs as users run it (``python bench/jax_accum.py --tiny``), in its own process: it
+sets ``KERAS_BACKEND=jax`` before Keras is imported and wants one CPU device, not the two that
+tests/conftest.py gives this process. Its time is imports and a few dozen small XLA
+compilations; LLVM's optimisation level 0 compiles them faster (it changes no assertion here:
+every method and its reference are compiled alike).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("optax")
+
+from tests.unit.test_bench_smoke import parse_table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 120
+HEADERS = ["method", "ms / optimizer step (wall, median)", "x accumix (wall)",
+           "x accumix, middle half", "CPU ms / step (median)", "x accumix (CPU)",
+           "XLA temp MiB", "state MiB", "AdamW: max abs param diff vs large batch",
+           "max abs grad diff vs large batch"]
+ROWS = ["accumix.jax", "optax MultiSteps", "Keras 3 gradient_accumulation_steps",
+        "accumix.jax again (control)"]
+
+
+def test_jax_accum_table() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "bench/jax_accum.py", "--tiny"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"bench/jax_accum.py failed:\n{proc.stderr[-3000:]}"
+    headers, rows = parse_table(proc.stdout)
+    assert headers == HEADERS
+    by_name = {row[0]: row for row in rows}
+    assert list(by_name) == ROWS
+    mine, multisteps = by_name["accumix.jax"], by_name["optax MultiSteps"]
+    assert mine[2:4] == ["1", "1.00 - 1.00"]  # accumix's rounds against themselves
+    for row in (mine, multisteps, by_name["accumix.jax again (control)"]):
+        assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[4]) > 0, row
+    # Exact: item-weighted accumulation lands on the large batch, in parameters and gradient.
+    assert float(mine[8]) < 1e-6 and float(mine[9]) < 1e-6, mine
+    assert float(by_name["accumix.jax again (control)"][8]) < 1e-6
+    # The mean of micro-batch means is far off on ragged tokens: the check has power.
+    assert float(multisteps[8]) > 1e-3 and float(multisteps[9]) > 1e-3, multisteps
+    for row in (mine, multisteps):
+        assert float(row[6]) >= 0 and float(row[7]) > 0, row  # memory was measured
+    keras = by_name["Keras 3 gradient_accumulation_steps"]
+    if importlib.util.find_spec("keras") is None:
+        assert keras[1].startswith("n/a: "), keras  # not installed: the row says why
+    else:
+        assert float(keras[1]) > 0 and float(keras[8]) > 1e-3 and float(keras[9]) > 1e-3, keras
