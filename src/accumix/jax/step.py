@@ -161,8 +161,9 @@ def build_step(
         rows = jax.tree.leaves(batch)[0].shape[1]  # global rows of one micro-batch
         divisor = jnp.where(item_mode, n_sum, micro_steps)
         grads = jax.tree.map(lambda g: g / (divisor * scale), g_sum)
-        found_inf = (~_all_finite(grads)) if scaled else jnp.asarray(False)
-        found_inf = found_inf | state.loss_scale.floor_hit  # after the floor: stop stepping
+        found_inf = jnp.asarray(False)
+        if scaled:  # after an overflow at the floor, stop stepping (raised when checked)
+            found_inf = ~_all_finite(grads) | state.loss_scale.floor_hit
         grad_norm = optax.tree.norm(grads)
         if clip_norm is not None:
             # torch.nn.utils.clip_grad_norm_'s coefficient, so both backends clip alike.
@@ -171,9 +172,10 @@ def build_step(
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jnp.where(found_inf, old, new)  # noqa: E731
-        params = jax.tree.map(keep, params, state.params)
-        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+        if scaled:  # only fp16 can skip; elsewhere the select would cost a copy of the state
+            keep = lambda new, old: jnp.where(found_inf, old, new)  # noqa: E731
+            params = jax.tree.map(keep, params, state.params)
+            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         loss_scale = scaler.update(state.loss_scale, found_inf)
         new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
                                step=state.step + (~found_inf).astype(state.step.dtype), rng=rng)
