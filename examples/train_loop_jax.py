@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--val-bytes", type=int, default=100_000, help="held-out text to score")
     args = parser.parse_args()
 
     acc = axj.Accelerator(strategy="auto", precision=args.precision,
@@ -42,7 +43,7 @@ def main() -> None:
     config = GPTConfig(block_size=128, n_layer=2, n_head=4, n_embd=128)
     train_files, val_files = split_files(stdlib_files(max_files=200), val_fraction=0.05)
     train = ByteDocumentDataset(train_files, config.block_size, max_bytes=2_000_000)
-    val = ByteDocumentDataset(val_files, config.block_size, max_bytes=100_000)
+    val = ByteDocumentDataset(val_files, config.block_size, max_bytes=args.val_bytes)
     collate = partial(padded_collate, length=config.block_size, rows=args.micro_batch)
     loader = DataLoader(train, batch_size=args.micro_batch, shuffle=True, collate_fn=collate)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, args.steps, 1e-4)

@@ -1,7 +1,8 @@
 """accumix.jax on 2 processes under ``accumix launch`` (jax.distributed, gloo on loopback).
 
 One job trains ddp and fsdp on 2 processes x 2 CPU devices against the one-device large batch
-and saves fsdp's state mid-run; new processes resume it bitwise; one process loads it resharded.
+and saves fsdp's state mid-run, then trains from a torch DataLoader sharded per process and
+saves mid-epoch; new processes resume both bitwise; one process loads the first resharded.
 """
 
 from __future__ import annotations
@@ -49,28 +50,23 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     meta = json.loads((tmp_path / "run" / "step-2" / "meta.json").read_text())
     assert (meta["num_processes"], meta["num_devices"], meta["strategy"]) == (2, 4, "fsdp")
 
+    # The same job's DataLoader run: each process's loader takes its shard; the global windows
+    # equal the two shards side by side (short last window included).
+    loader = _results(tmp_path, "loader")
+    assert all(r["max_diff"] < 1e-6 for r in loader), [r["max_diff"] for r in loader]
+    meta = json.loads((tmp_path / "loader-run" / "step-3" / "meta.json").read_text())
+    assert (meta["loader"]["epoch"], meta["loader"]["position"]) == (1, 2)
+
     _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "resume"], devices=2)
     resumed = _results(tmp_path, "resume")
     assert [(r["loaded_step"], r["bitwise"]) for r in resumed] == [(2, True), (2, True)]
+    # The mid-epoch loader save resumes bitwise in the new processes too.
+    assert [r["params"] for r in _results(tmp_path, "loader-resume")] == [loader[0]["params"]] * 2
 
     _run([sys.executable, str(SCRIPT), str(tmp_path), "reshard", "2"], devices=1)
     (resharded,) = _results(tmp_path, "reshard")
     assert (resharded["processes"], resharded["devices"], resharded["loaded_step"]) == (1, 1, 2)
     assert resharded["max_diff"] < 1e-6
-
-
-def test_a_dataloader_sharded_per_process_trains_and_resumes_mid_epoch(tmp_path: Path) -> None:
-    """Each process's loader takes its shard; the global windows equal the two shards side by
-    side (short last window included); a mid-epoch save resumes bitwise in new processes."""
-    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "loader"], devices=1)
-    first = _results(tmp_path, "loader")
-    assert all(r["max_diff"] < 1e-6 for r in first), [r["max_diff"] for r in first]
-    meta = json.loads((tmp_path / "loader-run" / "step-3" / "meta.json").read_text())
-    assert (meta["loader"]["epoch"], meta["loader"]["position"]) == (1, 2)
-    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "loader-resume"],
-         devices=1)
-    resumed = _results(tmp_path, "loader-resume")
-    assert [r["params"] for r in resumed] == [first[0]["params"]] * 2
 
 
 def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: Path) -> None:

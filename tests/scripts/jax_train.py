@@ -1,10 +1,9 @@
 """A JAX job for ``accumix launch --nproc 2`` (or one plain process): train, save, resume.
 
-    python jax_train.py OUT_DIR train    # ddp and fsdp vs the large batch; fsdp saves at step 2
-    python jax_train.py OUT_DIR resume   # loads step 2, continues; writes its params
+    python jax_train.py OUT_DIR train    # ddp and fsdp vs the large batch; fsdp saves at step 2;
+                                         # then a torch DataLoader per process, saved mid-epoch
+    python jax_train.py OUT_DIR resume   # loads both saves, continues; writes the params
     python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError
-    python jax_train.py OUT_DIR loader   # a torch DataLoader sharded per process, saved mid-epoch
-    python jax_train.py OUT_DIR loader-resume
 
 Each process feeds only its rows of every global micro-batch; the reference (one device, the
 whole window) is computed in every process from the same data. Results: OUT_DIR/*.json, *.npz.
@@ -111,9 +110,6 @@ def train_with_loader(out: Path, mode: str) -> None:
 
 
 def main(out: Path, mode: str, saved_processes: int) -> None:
-    if mode.startswith("loader"):
-        train_with_loader(out, mode)
-        return
     if mode == "mismatch":
         try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
             axj.Accelerator(strategy="ddp", precision="fp32",
@@ -162,6 +158,8 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
         result["bitwise"] = all(np.array_equal(done[k], now[k]) for k in now)
         result["max_diff"] = max(float(np.max(np.abs(done[k] - now[k]))) for k in now)
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
+    if mode in ("train", "resume") and acc.world_size > 1:
+        train_with_loader(out, "loader" if mode == "train" else "loader-resume")
 
 
 if __name__ == "__main__":

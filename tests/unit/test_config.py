@@ -99,7 +99,8 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path: Path,
     # Through a real process: the exit status, one stderr line, no traceback.
     for args, message in [
         (["train", "max_stepz=5"], "accumix train: error: unknown key max_stepz at the top "
-                                   "level; valid keys: name, backend, init_from, output_dir, nproc"),
+                                   "level; valid keys: name, backend, init_from, "
+                                   "output_dir, nproc"),
         (["train", "model.n_layer=two"], "accumix train: error: model.n_layer='two' is "
                                          "invalid; use an integer"),
     ]:

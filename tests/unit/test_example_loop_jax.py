@@ -17,7 +17,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_loop_jax.py"
 def test_jax_loop_example_learns() -> None:
     out = subprocess.run(
         [sys.executable, str(EXAMPLE), "--steps", "20", "--global-batch", "16",
-         "--micro-batch", "8"], capture_output=True, text=True, timeout=300, check=True,
+         "--micro-batch", "8", "--val-bytes", "20000"],
+        capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     assert re.search(r"1 process\(es\), 2 device\(s\), strategy ddp, precision fp32, K=2", out)
     losses = [float(x) for x in re.findall(r"step +\d+  loss/token (\d+\.\d+)", out)]

@@ -137,7 +137,7 @@ def test_workers_and_torch_seed_do_not_change_the_windows() -> None:
     acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=K, seed=5)
     _, plain = acc.setup(w.init_params(), w.optimizer(), loader())
     acc2 = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=K, seed=5)
-    spawned = loader(num_workers=2, multiprocessing_context="spawn")
+    spawned = loader(num_workers=1, multiprocessing_context="spawn")
     _, workers = acc2.setup(w.init_params(), w.optimizer(), spawned)
     for a, b in zip(plain, workers, strict=True):
         assert np.array_equal(np.asarray(a.batch["x"]), np.asarray(b.batch["x"]))
