@@ -288,6 +288,12 @@ class AcceleratedDataLoader:
 
     def _position_from(self, state: dict[str, int], name: str) -> int:
         position = int(state["position"])
+        if self._unresumable and position:
+            raise ConfigError(
+                f"{name} was saved {position} batches into epoch {state['epoch']} but has "
+                f"{self._unresumable}, which cannot continue mid-epoch; load a checkpoint saved "
+                "at an epoch end"
+            )
         batch_size = self.loader.batch_size or 1
         saved_batch, saved_world = state.get("batch_size", batch_size), state.get(
             "world_size", self._world_size)
@@ -304,10 +310,4 @@ class AcceleratedDataLoader:
                     "epoch boundary or with a batch size and world size that divide it"
                 )
             position = samples // per_step
-        if self._unresumable and position:
-            raise ConfigError(
-                f"{name} was saved {position} batches into epoch {state['epoch']} but has "
-                f"{self._unresumable}, which cannot continue mid-epoch; load a checkpoint saved "
-                "at an epoch end"
-            )
         return position

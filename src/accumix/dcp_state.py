@@ -77,9 +77,19 @@ def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
         held, _ = _owners(saved, f"optim{i}.state.", set(optim_states))
         for fqn in set(optim_states) - held:
             del optim_states[fqn]  # no gradient ever reached it in the saving run: no state
+            partial = True  # set_state_dict, strict, would refuse the stateless parameter
+    # Each group's parameter names as this run has them: without strict, the saved names may
+    # include parameters this model no longer has.
+    own_names = {key: [list(g["params"]) for g in optim.get("param_groups", [])]
+                 for key, optim in state.items() if key.startswith("optim")}
     with _quiet_single_process():
         dcp.load(state, storage_reader=reader, planner=_SafePlanner(),
                  no_dist=not _distributed())
+    if not strict:
+        for key, names in own_names.items():
+            for group, params in zip(state[key]["param_groups"], names, strict=True):
+                group["params"] = params
+    # The keys were compared above: strict=False here only lets the parts left out stay out.
     options = StateDictOptions(strict=False) if partial else None
     for i, model in enumerate(models):
         opts = _owned(model, optimizers)
