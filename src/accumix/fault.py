@@ -167,10 +167,9 @@ def phase(acc: Accelerator, label: str) -> Iterator[None]:
     not reached it as behind (the window counters alone are equal there)."""
     acc._sync_points = getattr(acc, "_sync_points", 0) + 1  # type: ignore[attr-defined]
     acc._sync_label = label  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        acc._sync_label = ""  # type: ignore[attr-defined]
+    yield
+    # Only on success: a collective that failed here leaves the label for the diagnosis.
+    acc._sync_label = ""  # type: ignore[attr-defined]
 
 
 def _list(ranks: list[int]) -> str:
