@@ -282,6 +282,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
         raise CheckpointError(next(e for e in errors if e))
     assert step_dir is not None
     optimizers = [o.optimizer for o in acc._optimizers]
+    empty_before = [not o.state for o in optimizers]
     try:
         with fault.phase(acc, "acc.load_state, reading the models and optimizers"):
             # strict=False only when asked: a Strategy of the user's may not take the keyword.
@@ -290,6 +291,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        _reset_unstepped(optimizers, empty_before)  # a refusal leaves no zero-step state
         cause = _first_failure(exc)
         if isinstance(cause, AccumixError):  # our own clear refusal, raised inside DCP
             raise cause from exc

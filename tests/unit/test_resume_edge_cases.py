@@ -405,7 +405,7 @@ def test_model_with_only_some_of_the_keys_is_refused(tmp_path: Path) -> None:
                                                  r"that the checkpoint lacks, the checkpoint has "
                                                  r"2 key\(s\) \('3.bias', '3.weight'\)"):
         acc.load_state(tmp_path / "full")
-    assert _equal(part.state_dict(), fresh)
+    assert _equal(part.state_dict(), fresh) and not opt.state and acc.optimizer_steps == 0
 
 
 def test_partial_model_loads_what_both_have_when_asked(tmp_path: Path) -> None:
