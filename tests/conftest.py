@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch.distributed as dist
+# Two CPU devices for accumix.jax's multi-device tests; must be set before jax is imported.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

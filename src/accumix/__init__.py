@@ -10,15 +10,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from accumix.accelerator import Accelerator
 from accumix.errors import AccumixError, ConfigError, LossScaleError
-from accumix.precision import DynamicLossScale, NoLossScale, Policy
-from accumix.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from accumix.precision.loss_scale import DynamicLossScale, NoLossScale
 
 __version__ = "0.1.0"
 
-# Sharded strategies load torch's FSDP / ZeRO machinery (about a second): imported on first use.
+# Everything that imports torch loads on first use: `import accumix.jax` shares the errors and
+# the loss-scale algorithm without paying for torch. Sharded strategies load torch's FSDP / ZeRO
+# machinery (about a second) only when named.
 _LAZY = {
+    "Accelerator": "accumix.accelerator",
+    "DDPStrategy": "accumix.strategies",
+    "Policy": "accumix.precision.policy",
+    "SingleDeviceStrategy": "accumix.strategies",
+    "Strategy": "accumix.strategies",
     "DeepSpeedStrategy": "accumix.strategies.deepspeed",  # imports deepspeed only when built
     "FSDPStrategy": "accumix.strategies.fsdp",
     "ZeRO1Strategy": "accumix.strategies.zero1",

@@ -15,10 +15,11 @@ A run directory holds one directory per save and a pointer to the newest::
                           (plain JSON) and the size of every other file
 
 A save is written to ``.step-N.tmp``, flushed and renamed; ``latest`` follows, so a crash at any
-moment leaves the previous checkpoint complete and pointed to (``checkpoint_files``). A load
-checks everything it can before it changes anything (``meta.json``, every file's size, the
-loaders' positions, the schedulers' types) and never unpickles arbitrary objects: JSON,
-``weights_only`` tensors, and torch.distributed.checkpoint's metadata through a whitelist.
+moment leaves the previous checkpoint complete and pointed to (``accumix.run_dir``: the layout
+the JAX backend shares). A load checks everything it can before it changes anything
+(``meta.json``, every file's size, the loaders' positions, the schedulers' types, the models'
+keys) and never unpickles arbitrary objects: JSON, ``weights_only`` tensors, and
+torch.distributed.checkpoint's metadata through a whitelist.
 """
 
 from __future__ import annotations
@@ -27,35 +28,17 @@ import io
 import json
 import logging
 import os
-import random
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch.optim import Optimizer
 
-from accumix import fault
-from accumix.checkpoint_files import (
-    LATEST,
-    META,
-    MODEL_DIR,
-    CheckpointError,
-    alternatives,
-    latest_checkpoint,
-    manifest,
-    prune,
-    read_tensors,
-    recover,
-    resolve,
-    write_json,
-    write_tensors,
-    write_text,
-)
-from accumix.checkpoint_files import fsync as _fsync
-from accumix.errors import AccumixError, ConfigError
+from accumix import fault, rng_state
+from accumix import run_dir as layout
+from accumix.errors import AccumixError, CheckpointError, ConfigError
+from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
@@ -65,6 +48,7 @@ __all__ = ["CheckpointError", "latest_checkpoint", "load_state", "resolve", "sav
 log = logging.getLogger("accumix")
 
 FORMAT = 1
+MODEL_DIR = "model"
 SCHEDULERS = "schedulers.pt"
 _STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "models",
                "optimizers", "schedulers", "loaders")
@@ -92,11 +76,7 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
     strategy, rank = acc.strategy, acc.rank
 
     def prepare() -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        recover(run_dir)  # a crash mid-replacement: its complete copy back in place first
-        for leftover in run_dir.glob(".step-*.*"):  # of saves that crashed half-way
-            shutil.rmtree(leftover, ignore_errors=True)
-        tmp.mkdir()
+        layout.prepare(run_dir, tmp)
 
     _agree(acc, prepare if rank == 0 else None, f"preparing {tmp}")
     optimizers = [o.optimizer for o in acc._optimizers]
@@ -106,31 +86,15 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
     _reset_unstepped(optimizers, empty)
 
     def write_rank_files() -> None:
-        write_tensors(tmp / f"rank-{rank}.pt", _rng_state(acc))
+        _write_tensors(tmp / f"rank-{rank}.pt", rng_state.capture(acc))
         if rank == 0 and schedulers:
-            write_tensors(tmp / SCHEDULERS, schedulers)
+            _write_tensors(tmp / SCHEDULERS, schedulers)
 
     _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
     meta = _metadata(acc, empty)
 
     def publish() -> None:
-        meta["files"] = manifest(tmp)
-        write_json(tmp / META, meta)
-        _fsync(tmp)
-        if final.exists():  # a second save at the same step replaces the first
-            trash = run_dir / f".step-{step}.old"
-            shutil.rmtree(trash, ignore_errors=True)
-            # A crash between these two renames leaves latest's target missing for a moment;
-            # latest_checkpoint finds the complete .tmp (or .old) then.
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash)
-        else:
-            os.rename(tmp, final)
-        _fsync(run_dir)
-        write_text(run_dir / LATEST, final.name + "\n")
-        if keep_last is not None:
-            prune(run_dir, step, keep_last)
+        layout.publish(run_dir, tmp, final, meta, keep_last)
 
     _agree(acc, publish if rank == 0 else None, f"publishing {final}")
     return final
@@ -225,38 +189,6 @@ def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
     }
 
 
-# -- RNG -------------------------------------------------------------------------------------
-def _rng_state(acc: Accelerator) -> dict[str, Any]:
-    version, mt_state, gauss = random.getstate()
-    kind, key, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64),
-                   "gauss": gauss},
-        "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "loaders": [loader.loader.generator.get_state()
-                    if loader.loader.generator is not None else None
-                    for loader in acc._loaders],
-    }
-    return state
-
-
-def _set_rng_state(acc: Accelerator, state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
-    for loader, gen_state in zip(acc._loaders, state["loaders"], strict=False):
-        if gen_state is not None and loader.loader.generator is not None:
-            loader.loader.generator.set_state(gen_state)
-
-
 # -- load ------------------------------------------------------------------------------------
 def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = True) -> Path:
     """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
@@ -269,7 +201,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
     try:  # everything that can be checked before anything is changed
         step_dir = resolve(path)
         meta = _validate(acc, step_dir)
-        rng = read_tensors(step_dir / f"rank-{acc.rank % meta['world_size']}.pt")
+        rng = _read_tensors(step_dir / f"rank-{acc.rank % meta['world_size']}.pt")
         schedulers = _saved_scheduler_states(step_dir, meta)
         for index, (loader, saved) in enumerate(zip(acc._loaders, meta["state"]["loaders"],
                                                     strict=True)):
@@ -314,7 +246,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
     for loader, saved in zip(acc._loaders, state["loaders"], strict=True):
         loader.load_state_dict(saved)
     # Last: nothing above may draw from the generators once they hold the saved streams.
-    _set_rng_state(acc, rng)
+    rng_state.restore(acc, rng)
     saved_world = meta["world_size"]
     if saved_world != acc.world_size:
         log.info("loaded %s saved on %d ranks into %d; ranks >= %d took the RNG streams of "
@@ -339,7 +271,7 @@ def _saved_scheduler_states(step_dir: Path, meta: dict[str, Any]) -> list[dict[s
         return []
     if all("state" in s for s in saved):  # written before schedulers.pt existed
         return [s["state"] for s in saved]
-    states = read_tensors(step_dir / SCHEDULERS)
+    states = _read_tensors(step_dir / SCHEDULERS)
     if not isinstance(states, list) or len(states) != len(saved):
         raise CheckpointError(f"{step_dir / SCHEDULERS} does not hold {len(saved)} LR "
                               f"scheduler states; {alternatives(step_dir)}")
@@ -405,3 +337,19 @@ def _validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
     if not (step_dir / f"rank-{acc.rank % meta['world_size']}.pt").is_file():
         raise CheckpointError(f"{step_dir}/rank-{acc.rank % meta['world_size']}.pt is missing")
     return meta
+
+
+def _write_tensors(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_tensors(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - zip errors, EOF, refused globals
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); "
+                              f"{alternatives(path.parent)}") from exc

@@ -13,3 +13,7 @@ class ConfigError(AccumixError, ValueError):
 
 class LossScaleError(AccumixError):
     """fp16 gradients overflowed while the loss scale was already at its floor."""
+
+
+class CheckpointError(AccumixError):
+    """A checkpoint that is missing, torn, corrupt or does not fit this run; names the file."""

@@ -2,7 +2,8 @@
 
 Counts the *model states* one data-parallel rank holds (parameters, gradients, optimizer states)
 the way the ZeRO paper does, plus an activation estimate the caller supplies. Imports only
-``accumix.errors`` from accumix, so it loads on its own.
+``accumix.errors`` from accumix, so it loads on its own; torch only where a torch model or device is
+passed (the JAX backend sizes its strategies from a parameter count).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch loads lazily: the JAX backend sizes its strategies with this model
+    import torch
+    from torch import nn
 
 from accumix.errors import ConfigError
 
@@ -271,7 +273,7 @@ def estimate_memory(
         ConfigError: A negative count, ``world_size < 1``, an unknown precision, a headroom outside
             (0, 1], a non-positive ``device_bytes`` or ``block_params`` above the parameter count.
     """
-    if isinstance(model_or_num_params, nn.Module):
+    if hasattr(model_or_num_params, "parameters"):  # a torch module
         num_params = count_params(model_or_num_params)
         trainable = count_params(model_or_num_params, trainable_only=True)
         if block_params is None:
@@ -395,6 +397,8 @@ def device_free_bytes(device: torch.device | str, *, local_world_size: int = 1) 
         ConfigError: ``local_world_size < 1`` or a device type other than cuda or cpu.
     """
     _check_int("local_world_size", local_world_size, minimum=1)
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)

@@ -1,37 +1,18 @@
-"""The dynamic loss-scale algorithm of DESIGN.md, as tables of clean/overflow steps."""
+"""The dynamic loss-scale algorithm of DESIGN.md, as the golden table of clean/overflow steps."""
 
 from __future__ import annotations
 
 import pytest
 
 import accumix as ax
+from tests.loss_scale_traces import IDS, TRACES
 
-INF, OK = True, False  # overflow, clean
 
-
-@pytest.mark.parametrize(
-    "kwargs,steps,scales",
-    [
-        # hysteresis=2: the first overflow is absorbed, the second and later ones halve.
-        (dict(init_scale=1024.0), [INF, INF, INF, OK], [1024, 512, 256, 256]),
-        # growth_interval clean steps grow the scale and refill the budget.
-        (dict(init_scale=8.0, growth_interval=2), [OK, OK, INF, INF, OK, OK, INF],
-         [8, 16, 16, 8, 8, 16, 16]),
-        # an overflow resets the clean count: growth needs growth_interval clean in a row.
-        (dict(init_scale=8.0, growth_interval=3, hysteresis=1), [OK, OK, INF, OK, OK, OK],
-         [8, 8, 4, 4, 4, 8]),
-        # hysteresis=1 is GradScaler: every overflow halves.
-        (dict(init_scale=64.0, hysteresis=1), [INF, INF, OK], [32, 16, 16]),
-        # hysteresis=3 absorbs two.
-        (dict(init_scale=64.0, hysteresis=3), [INF, INF, INF, INF], [64, 64, 32, 16]),
-        # custom factors; the floor holds the scale.
-        (dict(init_scale=10.0, backoff_factor=0.25, growth_factor=3.0, growth_interval=1,
-              hysteresis=1, min_scale=2.0), [INF, OK, INF, INF], [2.5, 7.5, 2.0, None]),
-    ],
-)
-def test_scale_sequence(kwargs, steps, scales) -> None:
-    scaler = ax.DynamicLossScale(**kwargs)
-    for found_inf, expected in zip(steps, scales, strict=True):
+@pytest.mark.parametrize("trace", TRACES, ids=IDS)
+def test_scale_sequence(trace) -> None:
+    """The golden table shared with the JAX scaler (tests/golden/loss_scale_traces.json)."""
+    scaler = ax.DynamicLossScale(**trace["settings"])
+    for found_inf, expected in zip(trace["overflows"], trace["scales"], strict=True):
         if expected is None:  # overflow at the floor
             with pytest.raises(ax.LossScaleError, match="bf16"):
                 scaler.update(found_inf)

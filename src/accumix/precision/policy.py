@@ -8,19 +8,16 @@ form: autocast + loss scaler (single, DDP), ``MixedPrecisionPolicy`` (FSDP2), th
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import warnings
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
 from accumix.errors import ConfigError
+from accumix.precision.words import PRECISION_WORDS, cpu_has_native_bf16
 
 log = logging.getLogger("accumix")
 
-PRECISION_WORDS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "auto")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -72,24 +69,6 @@ _POLICIES = {
         reduce_dtype=torch.bfloat16,
     ),
 }
-
-
-@cache
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU executes bf16 matmuls natively (AVX512-BF16, AMX, Arm BF16).
-
-    Without it bf16 autocast is emulated and many times slower than fp32 (pytorch #118499), so
-    ``"auto"`` must not pick it. ``ACCUMIX_CPU_BF16=0|1`` overrides the detection.
-    """
-    forced = os.environ.get("ACCUMIX_CPU_BF16")
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return platform.machine() == "arm64"  # Apple silicon has bf16 (M2 and later)
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def cuda_has_bf16(device: torch.device) -> bool:

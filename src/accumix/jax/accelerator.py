@@ -1,0 +1,327 @@
+"""The JAX façade: the same words and semantics as ``accumix.Accelerator``, on jit and a mesh.
+
+    acc = axj.Accelerator(strategy="fsdp", precision="bf16-mixed", grad_accum_steps=4)
+    state = acc.setup(params, optax.adamw(3e-4))    # sharded TrainState
+    step = acc.train_step(loss_fn, clip_norm=1.0)   # jitted once; state donated
+    for window in loader:                           # K micro-batches of this process
+        state, metrics = step(state, window)        # one optimizer step, no host sync
+
+It holds the pieces (strategy, policy, scaler rule, windows) and hands them to ``step.py``,
+``data.py`` and ``checkpoint.py``; it has no per-strategy branches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from accumix.batch_sizes import derive_grad_accum_steps
+from accumix.errors import ConfigError
+from accumix.jax import checkpoint, distributed
+from accumix.jax.data import Window, WindowLoader, make_window
+from accumix.jax.loss_scale import LossScaleRule
+from accumix.jax.precision import resolve_jax_policy
+from accumix.jax.state import TrainState
+from accumix.jax.step import LossFn, build_step
+from accumix.jax.strategies import JaxStrategy, choose_auto, resolve_jax_strategy
+from accumix.logging_setup import configure_logging
+from accumix.precision.loss_scale import DynamicLossScale
+
+log = logging.getLogger("accumix")
+
+
+class Accelerator:
+    """Runs one jitted training step per window on one device, many devices or many processes.
+
+    Args:
+        strategy: ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"`` or ``"auto"`` (the memory
+            model's choice at setup); ``"deepspeed"`` is a ConfigError.
+        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"bf16-true"``, ``"auto"``.
+        grad_accum_steps: micro-steps per optimizer step (K); None derives it from the two batch
+            sizes, else 1.
+        global_batch_size: samples per optimizer step over all processes.
+        micro_batch_size: samples per micro-step of one process (a set-up DataLoader's
+            ``batch_size`` by default).
+        loss_scale: an ``ax.DynamicLossScale`` for fp16; None uses its defaults.
+        seed: the PRNG key's seed (and python's, numpy's, torch's if loaded), the same on every
+            process.
+
+    Raises:
+        ConfigError: an unknown word, ``"deepspeed"``, or batch sizes that do not divide.
+    """
+
+    def __init__(
+        self,
+        strategy: str | JaxStrategy = "auto",
+        precision: str = "auto",
+        grad_accum_steps: int | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        loss_scale: DynamicLossScale | None = None,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed={seed!r} is invalid; use an integer")
+        self.launch = distributed.initialize()
+        configure_logging(jax.process_index())
+        self._strategy_word = strategy
+        self._strategy = resolve_jax_strategy(strategy)
+        self.policy = resolve_jax_policy(precision, jax.devices()[0].platform)
+        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+            raise ConfigError(
+                f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None")
+        if loss_scale is not None and not self.policy.needs_loss_scaling and precision != "auto":
+            raise ConfigError(
+                f"loss_scale is only used by precision='fp16-mixed', not {self.policy.name!r}")
+        self.scaler = LossScaleRule(
+            (loss_scale or DynamicLossScale()) if self.policy.needs_loss_scaling else None)
+        self._batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
+        self._grad_accum_steps = self._derive_steps(micro_batch_size)
+        self.seed = seed
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        if "torch" in sys.modules:  # a torch DataLoader's workers draw their seeds from it
+            sys.modules["torch"].manual_seed(seed)
+        self._optimizer: optax.GradientTransformation | None = None
+        self._shardings: TrainState | None = None
+        self._loader: WindowLoader | None = None
+        self._check_same_config((str(strategy), self.policy.name, self._batch_sizes, seed,
+                                 None if loss_scale is None else repr(loss_scale)))
+
+    # -- read-only state -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return jax.process_index()
+
+    @property
+    def world_size(self) -> int:
+        return jax.process_count()
+
+    @property
+    def num_devices(self) -> int:
+        return self.strategy.num_devices
+
+    @property
+    def local_devices(self) -> int:
+        return sum(d.process_index == jax.process_index() for d in self.strategy.mesh.devices.flat)
+
+    @property
+    def is_main_process(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def strategy(self) -> JaxStrategy:
+        if self._strategy is None:
+            raise ConfigError("strategy='auto' is chosen at acc.setup(params, optimizer); "
+                              "call setup first")
+        return self._strategy
+
+    @property
+    def grad_accum_steps(self) -> int:
+        if self._grad_accum_steps is None:
+            raise ConfigError("global_batch_size was given without micro_batch_size and no "
+                              "DataLoader was set up to take it from; pass micro_batch_size=")
+        return self._grad_accum_steps
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def _derive_steps(self, micro_batch_size: int | None) -> int | None:
+        steps, global_batch, _ = self._batch_sizes
+        return derive_grad_accum_steps(grad_accum_steps=steps, global_batch_size=global_batch,
+                                       micro_batch_size=micro_batch_size,
+                                       dp_world_size=jax.process_count())
+
+    def _check_same_config(self, mine: tuple[Any, ...]) -> None:
+        """Processes launched with different settings stop here, naming both, instead of
+        training apart (or hanging in a collective of another shape)."""
+        if jax.process_count() == 1:
+            return
+        from jax.experimental import multihost_utils
+
+        text = repr(mine).encode()[:512].ljust(512)
+        every = multihost_utils.process_allgather(np.frombuffer(text, np.uint8))
+        texts = [bytes(row).decode(errors="replace").rstrip() for row in np.asarray(every)]
+        if len(set(texts)) > 1:
+            others = {i: s for i, s in enumerate(texts) if s != texts[0]}
+            raise ConfigError(
+                f"processes disagree on (strategy, precision, batch sizes, seed, loss scale): "
+                f"process 0 has {texts[0]}, others {others}; launch every process alike")
+
+    # -- setup -----------------------------------------------------------------------------
+    def setup(self, params: Any, optimizer: optax.GradientTransformation,
+              loader: Any = None) -> TrainState | tuple[TrainState, WindowLoader]:
+        """Places ``params`` and a fresh optimizer state on the mesh, per the strategy.
+
+        Args:
+            params: a pytree of arrays (numpy or jax), the same on every process.
+            optimizer: an optax ``GradientTransformation``.
+            loader: a torch ``DataLoader`` (optional): returned as windows of K batches,
+                sharded over processes, resumable mid-epoch.
+
+        Returns:
+            The ``TrainState``, or ``(state, window_loader)`` when a loader is given.
+
+        Raises:
+            ConfigError: an optimizer that is not optax's, params without arrays, a loader
+                that is not a torch DataLoader.
+        """
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise ConfigError(f"optimizer {type(optimizer).__name__} is not an optax "
+                              "GradientTransformation; pass e.g. optax.adamw(3e-4)")
+        leaves = jax.tree.leaves(params)
+        if not leaves or not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+            raise ConfigError("params must be a pytree of arrays (numpy or jax)")
+        if self._strategy is None:
+            num = int(sum(np.prod(x.shape) for x in leaves))
+            self._strategy = choose_auto(num, precision=self.policy.name)
+        self._optimizer = optimizer
+        strategy = self.strategy
+        params = self.policy.cast_to_param(jax.tree.map(np.asarray, params))
+        param_sh = jax.tree.map(lambda x: strategy.sharding(strategy.param_spec(x)), params)
+        params = jax.tree.map(_global_array, params, param_sh)
+        opt_shape = jax.eval_shape(optimizer.init, params)
+        opt_sh = jax.tree.map(lambda x: strategy.sharding(strategy.opt_spec(x)), opt_shape)
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+        replicated = strategy.sharding(P())
+        scaler, seed = self.scaler, self.seed
+        loss_scale, step, rng = jax.jit(
+            lambda: (scaler.init(), jax.numpy.zeros((), jax.numpy.int32), jax.random.key(seed)),
+            out_shardings=replicated)()
+        state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale, step=step,
+                           rng=rng)
+        self._shardings = jax.tree.map(lambda x: x.sharding, state)
+        log.info("accumix.jax: strategy %s on %d devices (%d processes), precision %s, K=%s",
+                 strategy.name, strategy.num_devices, jax.process_count(), self.policy.name,
+                 self._grad_accum_steps)
+        if loader is None:
+            return state
+        return state, self._wrap_loader(loader)
+
+    def _wrap_loader(self, loader: Any) -> WindowLoader:
+        if not (hasattr(loader, "dataset") and hasattr(loader, "batch_sampler")):
+            raise ConfigError(f"cannot set up a {type(loader).__name__} as a loader; pass a "
+                              "torch DataLoader, or build windows with acc.window([...])")
+        import torch
+
+        from accumix.data import AcceleratedDataLoader
+
+        micro = self._batch_sizes[2]
+        if micro is not None and loader.batch_size not in (None, micro):
+            raise ConfigError(f"DataLoader batch_size={loader.batch_size} differs from "
+                              f"micro_batch_size={micro}; make them equal")
+        if self._grad_accum_steps is None and loader.batch_size:
+            self._grad_accum_steps = self._derive_steps(loader.batch_size)
+        wrapped = AcceleratedDataLoader(
+            loader, device=torch.device("cpu"), rank=jax.process_index(),
+            world_size=jax.process_count(), seed=self.seed, on_batch=lambda _: None)
+        self._loader = WindowLoader(wrapped, grad_accum_steps=self.grad_accum_steps,
+                                    make=self.window)
+        return self._loader
+
+    # -- the step --------------------------------------------------------------------------
+    def window(self, micro_batches: list[Any]) -> Window:
+        """This process's micro-batches (1 to K pytrees of numpy arrays) as one global window;
+        fewer than K is a short window, masked."""
+        return make_window(list(micro_batches), grad_accum_steps=self.grad_accum_steps,
+                           strategy=self.strategy, local_devices=self.local_devices)
+
+    def train_step(self, loss_fn: LossFn, clip_norm: float | None = None, *,
+                   check_every: int = 100) -> TrainStep:
+        """The jitted window step for ``loss_fn``; call it as ``state, metrics = step(state,
+        window)``.
+
+        Args:
+            loss_fn: ``loss_fn(params, batch, rng)`` of one micro-batch's rows on one device,
+                returning the mean loss, or ``(loss_sum, num_items)`` for item-weighted
+                accumulation; either may add an ``aux`` pytree as a last element (its mean over
+                micro-steps and devices comes back as ``metrics["aux"]``).
+            clip_norm: clip the true gradients' global norm to this (torch's rule), or None.
+            check_every: read the fp16 floor flag every this many steps (one host sync).
+
+        Raises:
+            ConfigError: ``setup`` not called yet, or a bad ``clip_norm`` / ``check_every``.
+        """
+        if self._optimizer is None or self._shardings is None:
+            raise ConfigError("call state = acc.setup(params, optimizer) before acc.train_step")
+        if clip_norm is not None and not (isinstance(clip_norm, (int, float)) and clip_norm > 0):
+            raise ConfigError(f"clip_norm={clip_norm!r} is invalid; use a number > 0 or None")
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ConfigError(f"check_every={check_every!r} is invalid; use an integer >= 1")
+        jitted = build_step(loss_fn, optimizer=self._optimizer, strategy=self.strategy,
+                            policy=self.policy, scaler=self.scaler,
+                            grad_accum_steps=self.grad_accum_steps,
+                            clip_norm=None if clip_norm is None else float(clip_norm),
+                            state_shardings=self._shardings)
+        return TrainStep(jitted, self, check_every)
+
+    def check(self, state: TrainState) -> None:
+        """Raises ``LossScaleError`` if fp16 overflowed at the loss-scale floor (a host read)."""
+        self.scaler.check(state.loss_scale)
+
+    # -- checkpoints and weights -----------------------------------------------------------
+    def save_state(self, run_dir: str | os.PathLike[str], state: TrainState,
+                   keep_last: int | None = None) -> Path:
+        """Writes ``run_dir/step-N`` (N = ``state.step``) atomically, then ``run_dir/latest``.
+
+        The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
+        sharded; each process's host RNGs and the set-up loader's epoch and position go
+        beside it. Collective: every process calls it, between windows.
+
+        Raises:
+            LossScaleError: fp16 overflowed at the floor (nothing is written).
+        """
+        self.check(state)
+        return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last)
+
+    def load_state(self, path: str | os.PathLike[str], state: TrainState) -> TrainState:
+        """The state saved at ``path`` (a run directory's latest, or one step directory),
+        placed like ``state`` (this run's mesh: resharded if the device count differs).
+
+        Raises:
+            CheckpointError: a missing, torn or foreign checkpoint; the message names the file.
+        """
+        return checkpoint.load(self, Path(path), state)
+
+    def save_model(self, directory: str | os.PathLike[str], state: TrainState) -> Path:
+        """Writes the params as ``directory/model.safetensors``: float32, keys ``"a.b.c"``.
+        Collective; process 0 writes."""
+        return checkpoint.save_model(self, Path(directory), state)
+
+
+class TrainStep:
+    """The jitted step, plus the every-N-steps fp16 floor check (the step never syncs)."""
+
+    def __init__(self, jitted: Any, acc: Accelerator, check_every: int) -> None:
+        self.jitted, self._acc, self._check_every, self._calls = jitted, acc, check_every, 0
+
+    def __call__(self, state: TrainState, window: Window | list[Any]
+                 ) -> tuple[TrainState, dict[str, jax.Array]]:
+        if not isinstance(window, Window):
+            window = self._acc.window(window)
+        state, metrics = self.jitted(state, window)
+        self._calls += 1
+        if self._acc.scaler.enabled and self._calls % self._check_every == 0:
+            self._acc.check(state)
+        return state, metrics
+
+    def lower(self, state: TrainState, window: Window) -> Any:
+        """``jax.jit(...).lower`` of the step (for HLO inspection)."""
+        return self.jitted.lower(state, window)
+
+
+def _global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a value every process holds whole (each takes its shards)."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

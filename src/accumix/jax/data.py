@@ -1,0 +1,134 @@
+"""Windows: K micro-batches of this process's rows as one global array, plus a validity mask.
+
+A window is ``[K, rows, ...]`` per leaf, sharded over the mesh's data axis
+(``jax.make_array_from_process_local_data``: each process hands only its rows), and a ``[K]``
+mask. A short window (the end of an epoch) is padded with zeros and masked, so its shapes, and
+the compiled step, stay the same. A torch ``DataLoader`` set up with the state goes through
+``accumix.data.AcceleratedDataLoader`` (the torch side's sampler rules, epochs, and exact
+mid-epoch position) and comes out as windows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from accumix.errors import ConfigError
+from accumix.jax.strategies import AXIS, JaxStrategy
+
+log = logging.getLogger("accumix")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Window:
+    """One optimizer step's data: ``batch`` leaves ``[K, rows, ...]`` and ``mask`` ``[K]``."""
+
+    batch: Any
+    mask: jax.Array
+
+
+def make_window(micro_batches: list[Any], *, grad_accum_steps: int, strategy: JaxStrategy,
+                local_devices: int) -> Window:
+    """This process's micro-batches (pytrees of numpy arrays, rows first) as a global window.
+
+    Raises:
+        ConfigError: no micro-batch, more than K, shapes that differ, or rows that the local
+            devices do not divide.
+    """
+    k = len(micro_batches)
+    if not 1 <= k <= grad_accum_steps:
+        raise ConfigError(
+            f"a window takes 1 to grad_accum_steps={grad_accum_steps} micro-batches, got {k}")
+    leaves0, treedef = jax.tree.flatten(micro_batches[0])
+    if not leaves0:
+        raise ConfigError("a micro-batch holds no arrays; pass a pytree of numpy arrays")
+    stacked = []
+    for i, leaf in enumerate(leaves0):
+        parts = []
+        for j, micro in enumerate(micro_batches):
+            leaves = treedef.flatten_up_to(micro)
+            arr = np.asarray(leaves[i])
+            if arr.shape != np.shape(leaf):
+                raise ConfigError(
+                    f"micro-batch {j} has a leaf of shape {arr.shape}, micro-batch 0 "
+                    f"{np.shape(leaf)}; every micro-batch of a window needs the same shapes")
+            parts.append(arr)
+        arr0 = parts[0]
+        if arr0.ndim == 0 or arr0.shape[0] % local_devices:
+            raise ConfigError(
+                f"a micro-batch leaf of shape {arr0.shape} cannot be split over this process's "
+                f"{local_devices} devices; use a batch size that {local_devices} divides")
+        parts += [np.zeros_like(arr0)] * (grad_accum_steps - k)  # masked: never used
+        stacked.append(np.stack(parts))
+    mask = np.arange(grad_accum_steps) < k
+    rows = strategy.sharding(P(None, AXIS))
+    arrays = [jax.make_array_from_process_local_data(rows, a) for a in stacked]
+    return Window(batch=jax.tree.unflatten(treedef, arrays),
+                  mask=jax.make_array_from_process_local_data(strategy.sharding(P()), mask))
+
+
+def to_numpy(batch: Any) -> Any:
+    """A torch batch (tensors in tuples, lists, dicts) as numpy arrays, without copies on CPU."""
+    def convert(x: Any) -> Any:
+        if hasattr(x, "detach") and hasattr(x, "numpy"):
+            return x.detach().cpu().numpy()
+        return np.asarray(x)
+    return jax.tree.map(convert, batch)
+
+
+class WindowLoader:
+    """A torch ``DataLoader`` as windows: the last batch of an epoch closes a (short) window.
+
+    Wraps an ``accumix.data.AcceleratedDataLoader`` (sharded over processes, one epoch per
+    ``iter()``, resumable mid-epoch). A batch with fewer rows than ``batch_size`` (the epoch's
+    tail without ``drop_last``) would change the step's shapes and recompile it: it is dropped,
+    with a warning once; the short last window of an epoch is kept, masked.
+    """
+
+    def __init__(self, loader: Any, *, grad_accum_steps: int, make: Any) -> None:
+        self.loader = loader  # AcceleratedDataLoader
+        self.grad_accum_steps = grad_accum_steps
+        self._make = make
+        self._is_last = False
+        self._warned = False
+        loader._on_batch = self._on_batch
+
+    def _on_batch(self, is_last: bool) -> None:
+        self._is_last = is_last
+
+    def __len__(self) -> int:
+        return -(-len(self.loader) // self.grad_accum_steps)
+
+    def __iter__(self) -> Iterator[Window]:
+        group: list[Any] = []
+        batch_size = self.loader.batch_size
+        for batch in self.loader:
+            micro = to_numpy(batch)
+            rows = jax.tree.leaves(micro)[0].shape[0]
+            if batch_size is not None and rows != batch_size:
+                if not self._warned:
+                    log.warning("dropping a final batch of %d rows (batch_size=%d): a smaller "
+                                "batch would recompile the step; pass drop_last=True to silence",
+                                rows, batch_size)
+                    self._warned = True
+            else:
+                group.append(micro)
+            if group and (len(group) == self.grad_accum_steps or self._is_last):
+                yield self._make(group)
+                group = []
+
+    def state_dict(self) -> dict[str, int]:
+        return {**self.loader.state_dict(), **self.loader.sampling_state()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loader.load_state_dict(state)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)

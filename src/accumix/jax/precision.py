@@ -1,0 +1,95 @@
+"""The precision words as jnp dtypes: the same words and the same ``auto`` rule as the torch side.
+
+* ``fp32``: everything in float32.
+* ``bf16-mixed`` / ``fp16-mixed``: float32 master params and optimizer state; the params are cast
+  to the compute dtype once per window (outside the scan), so a model on token ids computes in
+  half precision; gradients are summed in float32. fp16 adds the loss scale. The batch is passed
+  as it comes: casting every floating input would also round masks and item counts (bf16 holds
+  integers exactly only up to 256), so a model with float features casts them itself
+  (``x.astype(params_leaf.dtype)``), as with jmp or flax's ``dtype=``.
+* ``bf16-true``: params and optimizer state stored in bfloat16.
+* ``auto``: bf16-mixed on a GPU or TPU; on a CPU bf16-mixed where bf16 is native, else fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from accumix.errors import ConfigError
+from accumix.precision.words import PRECISION_WORDS, cpu_has_native_bf16
+
+log = logging.getLogger("accumix")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class JaxPolicy:
+    """The dtypes of one precision word (the torch ``Policy``'s fields, as jnp dtypes)."""
+
+    name: str
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    output_dtype: Any = jnp.float32
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        return jnp.float16 in (self.compute_dtype, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Floating leaves of ``tree`` in the compute dtype (integers kept)."""
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_param(self, tree: Any) -> Any:
+        return _cast_floating(tree, self.param_dtype)
+
+
+_POLICIES = {
+    "fp32": JaxPolicy(name="fp32"),
+    "bf16-mixed": JaxPolicy(name="bf16-mixed", compute_dtype=jnp.bfloat16),
+    "fp16-mixed": JaxPolicy(name="fp16-mixed", compute_dtype=jnp.float16),
+    "bf16-true": JaxPolicy(name="bf16-true", param_dtype=jnp.bfloat16,
+                           compute_dtype=jnp.bfloat16),
+}
+
+
+def _cast_floating(tree: Any, dtype: Any) -> Any:
+    def cast(x: Any) -> Any:
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+    return jax.tree.map(cast, tree)
+
+
+def resolve_jax_policy(precision: str, platform: str) -> JaxPolicy:
+    """A precision word as a ``JaxPolicy`` for devices of ``platform`` ("cpu", "gpu", "tpu").
+
+    Raises:
+        ConfigError: an unknown word.
+    """
+    if isinstance(precision, JaxPolicy):
+        return precision
+    if precision == "auto":
+        if platform != "cpu":
+            policy, reason = _POLICIES["bf16-mixed"], f"{platform} supports bf16"
+        elif cpu_has_native_bf16():
+            policy, reason = _POLICIES["bf16-mixed"], "this CPU has native bf16 instructions"
+        else:
+            policy, reason = _POLICIES["fp32"], "cpu without native bf16: half would be slower"
+        log.info("precision='auto' chose %s: %s", policy.name, reason)
+        return policy
+    if precision not in _POLICIES:
+        raise ConfigError(
+            f"unknown precision {precision!r}; use one of {', '.join(PRECISION_WORDS)}"
+        )
+    policy = _POLICIES[precision]
+    if platform == "cpu" and (policy.compute_dtype == jnp.float16 or (
+            policy.compute_dtype == jnp.bfloat16 and not cpu_has_native_bf16())):
+        warnings.warn(
+            f"precision={precision!r} on this CPU is emulated and much slower than fp32; "
+            "it is meant for testing semantics", stacklevel=3)
+    return policy

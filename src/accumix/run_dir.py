@@ -1,0 +1,206 @@
+"""The run directory's layout, shared by the torch and JAX checkpoints (torch-free)::
+
+    run_dir/
+      latest          "step-120": written last, atomically replaced
+      step-120/       one save; its meta.json is written last and lists every file's size
+      .step-121.tmp   a save in progress (removed by the next save)
+
+A save writes ``.step-N.tmp``, flushes, renames it to ``step-N`` and then replaces ``latest``:
+a crash at any moment leaves the previous checkpoint complete and pointed to. A second save at
+the same step moves the first aside to ``.step-N.old`` before its rename: a crash between those
+two renames leaves ``latest`` naming a directory that is, for a moment, not there; the complete
+``.step-N.tmp`` (the newer save: its ``meta.json`` is written before any rename) or
+``.step-N.old`` stands in for it, and the next save renames it back into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from accumix.errors import CheckpointError
+
+LATEST = "latest"
+META = "meta.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The step directory ``run_dir/latest`` points to, or None when nothing was saved yet.
+
+    For auto-resume: ``if latest_checkpoint(run_dir): acc.load_state(run_dir)``. After a crash
+    in the middle of replacing a step directory this is the complete copy that survived.
+    """
+    pointer = Path(run_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    target = Path(run_dir) / pointer.read_text().strip()
+    if target.is_dir():
+        return target
+    return _stand_in(target) or target
+
+
+def _stand_in(target: Path) -> Path | None:
+    """The complete leftover of an interrupted replacement of ``target``, newest first."""
+    for suffix in (".tmp", ".old"):
+        candidate = target.with_name(f".{target.name}{suffix}")
+        if (candidate / META).is_file():
+            return candidate
+    return None
+
+
+def _recover(run_dir: Path) -> None:
+    # Before leftovers are cleared: else latest would point at nothing until the save publishes.
+    target = latest_checkpoint(run_dir)
+    if target is not None and target.name.startswith("."):
+        os.rename(target, run_dir / (run_dir / LATEST).read_text().strip())
+        fsync(run_dir)
+
+
+def step_dirs(run_dir: Path) -> list[str]:
+    """The ``step-N`` directories of ``run_dir``, oldest first."""
+    found = [(int(m.group(1)), p.name) for p in run_dir.iterdir()
+             if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return [name for _, name in sorted(found)]
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """A step directory from a run directory (following ``latest``) or a step directory.
+
+    A crash while a second save of the same step swapped directories can leave ``latest``
+    pointing at a name that is briefly absent; the complete copy (``.step-N.tmp`` or
+    ``.step-N.old`` with its ``meta.json``) is then used (``latest_checkpoint``).
+
+    Raises:
+        CheckpointError: neither ``latest`` nor ``meta.json`` is there, or ``latest`` points
+            to a directory that does not exist.
+    """
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    target = latest_checkpoint(path)
+    if target is None:
+        raise CheckpointError(
+            f"no checkpoint at {path}: it has neither {LATEST} nor {META}; pass a run "
+            "directory written by save_state or one of its step-N directories")
+    if not target.is_dir():
+        raise CheckpointError(
+            f"{path / LATEST} points to {target.name}, which does not exist; "
+            f"load one of {step_dirs(path) or 'no other checkpoints'} explicitly")
+    return target
+
+
+def alternatives(step_dir: Path) -> str:
+    """The advice after a refusal: the other step directories of the run, if any."""
+    others = [n for n in step_dirs(step_dir.parent) if n != step_dir.name]
+    if not others:
+        return "the checkpoint is unusable and there is no other in its run directory"
+    return f"the checkpoint is unusable; load an earlier one: {', '.join(others)}"
+
+
+def fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replaces ``path`` atomically with ``text``, durably."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync(path.parent)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    try:
+        text = json.dumps(obj, indent=1, allow_nan=True)
+    except TypeError as exc:
+        raise CheckpointError(f"training state for {path} is not JSON ({exc}); keep such state "
+                              "to numbers, strings, lists and dicts") from exc
+    write_text(path, text)
+
+
+def manifest(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` with its size, flushed to disk first."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    for file in files:
+        fsync(file)
+    return {p.relative_to(directory).as_posix(): p.stat().st_size for p in files}
+
+
+def check_manifest(step_dir: Path, files: dict[str, int]) -> None:
+    """Refuses a torn checkpoint: a listed file missing or of another size.
+
+    Raises:
+        CheckpointError: naming the first file that does not match.
+    """
+    for name, size in files.items():
+        file = step_dir / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {step_dir} is torn: {file} is missing")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {step_dir} is torn: {file} has "
+                                  f"{file.stat().st_size} bytes, {size} were written")
+
+
+def read_meta(step_dir: Path) -> dict[str, Any]:
+    """``step_dir/meta.json``, or a CheckpointError naming it."""
+    meta_path = step_dir / META
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {meta_path}: {exc}; the checkpoint is incomplete "
+                              "or not accumix's") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path} is not an accumix checkpoint's metadata")
+    return meta
+
+
+def prepare(run_dir: Path, tmp: Path) -> None:
+    """Creates ``run_dir`` and an empty ``tmp``, removing what crashed saves left (after putting
+    the stand-in of a missing ``latest`` target back in place)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _recover(run_dir)
+    for leftover in run_dir.glob(".step-*.*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir()
+
+
+def publish(run_dir: Path, tmp: Path, final: Path, meta: dict[str, Any],
+            keep_last: int | None) -> None:
+    """Writes ``meta.json`` (with the manifest) into ``tmp``, renames it to ``final``, points
+    ``latest`` at it and prunes to ``keep_last`` step directories."""
+    meta["files"] = manifest(tmp)
+    write_json(tmp / META, meta)
+    fsync(tmp)
+    if final.exists():  # a second save at the same step replaces the first
+        trash = run_dir / f".{final.name}.old"
+        shutil.rmtree(trash, ignore_errors=True)
+        # A crash between these renames: latest_checkpoint finds the complete .tmp (or .old).
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash)
+    else:
+        os.rename(tmp, final)
+    fsync(run_dir)
+    write_text(run_dir / LATEST, final.name + "\n")
+    if keep_last is not None:
+        current = int(final.name.split("-")[1])
+        older = [n for n in step_dirs(run_dir) if int(n.split("-")[1]) < current]
+        for name in older[: max(len(older) - (keep_last - 1), 0)]:
+            shutil.rmtree(run_dir / name)

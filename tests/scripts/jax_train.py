@@ -1,0 +1,98 @@
+"""A JAX job for ``accumix launch --nproc 2`` (or one plain process): train, save, resume.
+
+    python jax_train.py OUT_DIR train    # ddp and fsdp vs the large batch; fsdp saves at step 2
+    python jax_train.py OUT_DIR resume   # loads step 2, continues; writes its params
+    python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError
+
+Each process feeds only its rows of every global micro-batch; the reference (one device, the
+whole window) is computed in every process from the same data. Results: OUT_DIR/*.json, *.npz.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import accumix.jax as axj
+from tests import jax_workloads as w
+
+K, WINDOWS, SAVE_AT = 2, 4, 2
+ROWS = 4  # per process
+
+
+def global_windows(processes: int):
+    batches = w.micro_batches(K * WINDOWS, rows=ROWS * processes, seed=7)
+    return [batches[i:i + K] for i in range(0, len(batches), K)]
+
+
+def mine(window, processes: int):
+    """This process's rows of each micro-batch (the global batch is the processes' rows in
+    process order, as make_array_from_process_local_data assembles it)."""
+    p = jax.process_index()
+    return [jax.tree.map(lambda x: x[p * ROWS:(p + 1) * ROWS], micro) for micro in window]
+
+
+def flat(params) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in
+            jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def main(out: Path, mode: str, saved_processes: int) -> None:
+    if mode == "mismatch":
+        try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
+            axj.Accelerator(strategy="ddp", precision="fp32",
+                            grad_accum_steps=K + int(os.environ["RANK"]))
+        except axj.ConfigError as exc:
+            (out / f"mismatch-{jax.process_index()}.json").write_text(json.dumps(str(exc)))
+        return
+    acc = axj.Accelerator(strategy="fsdp" if mode != "train" else "ddp", precision="fp32",
+                          grad_accum_steps=K)
+    processes = saved_processes if mode != "train" else jax.process_count()
+    windows = global_windows(processes)
+    result: dict[str, object] = {"process": jax.process_index(), "processes": acc.world_size,
+                                 "devices": acc.num_devices}
+    if mode == "train":
+        ref = w.reference(windows, items=True)
+        for strategy in ("ddp", "fsdp"):
+            acc = axj.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=K)
+            state = acc.setup(w.init_params(), w.optimizer())
+            step = acc.train_step(w.item_loss)
+            for i, window in enumerate(windows):
+                state, _ = step(state, mine(window, processes))
+                if strategy == "fsdp" and i + 1 == SAVE_AT:
+                    acc.save_state(out / "run", state)
+            result[strategy] = w.max_diff(state.params, ref)
+            if strategy == "fsdp":
+                gathered = jax.tree.map(
+                    lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
+                    state.params)
+                if acc.is_main_process:
+                    np.savez(out / "uninterrupted.npz", **flat(gathered))
+    else:
+        state = acc.setup(w.init_params(), w.optimizer())
+        state = acc.load_state(out / "run", state)
+        result["loaded_step"] = int(state.step)
+        step = acc.train_step(w.item_loss)
+        rows = ROWS * processes // jax.process_count()
+        for window in windows[SAVE_AT:]:
+            p = jax.process_index()
+            local = [jax.tree.map(lambda x, p=p: x[p * rows:(p + 1) * rows], m) for m in window]
+            state, _ = step(state, local)
+        gathered = jax.tree.map(
+            lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
+            state.params)
+        done = np.load(out / "uninterrupted.npz")
+        now = flat(gathered)
+        result["bitwise"] = all(np.array_equal(done[k], now[k]) for k in now)
+        result["max_diff"] = max(float(np.max(np.abs(done[k] - now[k]))) for k in now)
+    (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2)

@@ -1,0 +1,164 @@
+"""accumix.jax: accumulation equals the large batch, for every strategy, on 2 CPU devices."""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import accumix.jax as axj  # noqa: E402
+from accumix.jax.hlo import collective_counts  # noqa: E402
+from tests import jax_workloads as w  # noqa: E402
+
+K = 4
+STRATEGIES = ["single", "ddp", "zero1", "fsdp"]
+
+
+def train(strategy, windows, *, items=True, precision="fp32", clip_norm=None, k=K):
+    acc = axj.Accelerator(strategy=strategy, precision=precision, grad_accum_steps=k)
+    state = acc.setup(w.init_params(), w.optimizer())
+    step = acc.train_step(w.item_loss if items else w.mean_loss, clip_norm=clip_norm)
+    metrics = []
+    for window in windows:
+        state, m = step(state, window)
+        metrics.append({k: float(v) for k, v in m.items()})
+    return acc, state, step, metrics
+
+
+def windows_of(batches, k=K):
+    return [batches[i:i + k] for i in range(0, len(batches), k)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_equals_the_large_batch_in_both_modes(strategy) -> None:
+    assert len(jax.devices()) == 2, "tests/conftest.py sets two host devices"
+    windows = windows_of(w.micro_batches(3 * K))
+    for items in (True, False):
+        acc, state, _, metrics = train(strategy, windows, items=items, clip_norm=0.5)
+        ref = w.reference(windows, items=items, clip_norm=0.5)
+        assert w.max_diff(state.params, ref) < 1e-6, (strategy, items)
+        assert int(state.step) == 3
+        assert acc.num_devices == (1 if strategy == "single" else 2)
+        # The logged loss is the window's true mean (item-weighted in item mode).
+        big = w.concat(windows[-1])
+        assert metrics[-1]["num_items"] == (big["mask"].sum() if items else K * w.ROWS)
+    if strategy == "fsdp":  # params really sharded: the largest dimension that 2 divides
+        assert state.params["hidden"]["w"].sharding.spec == jax.sharding.PartitionSpec(
+            None, "data")
+    if strategy == "zero1":
+        mu = state.opt_state[0].mu["hidden"]["w"]
+        assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "data")
+        assert state.params["hidden"]["w"].sharding.spec == jax.sharding.PartitionSpec()
+
+
+def test_mean_of_means_is_far_off_so_the_check_has_power() -> None:
+    windows = windows_of(w.micro_batches(3 * K))
+    exact = w.reference(windows, items=True)
+    assert w.max_diff(w.mean_of_means(windows), exact) > 1e-3
+    _, state, _, _ = train("ddp", windows)
+    assert w.max_diff(state.params, exact) < 1e-6
+
+
+def test_short_last_window_is_masked_and_divided_by_its_true_count() -> None:
+    batches = w.micro_batches(K + 2)  # a full window, then 2 of 4 micro-batches
+    windows = [batches[:K], batches[K:]]
+    for items in (True, False):
+        _, state, step, metrics = train("fsdp", windows, items=items)
+        assert w.max_diff(state.params, w.reference(windows, items=items)) < 1e-6
+        assert step.jitted._cache_size() == 1  # the short window did not recompile
+    assert metrics[-1]["num_items"] == 2 * w.ROWS  # mean mode: the rows really used
+
+
+def test_loss_metric_is_the_item_weighted_mean() -> None:
+    windows = windows_of(w.micro_batches(K))
+    _, _, _, metrics = train("ddp", windows)
+    big = w.concat(windows[0])
+    loss_sum, items = w.item_loss(jax.tree.map(jnp.asarray, w.init_params()), big, None)
+    assert metrics[0]["loss"] == pytest.approx(float(loss_sum / items), rel=1e-6)
+    grads = jax.grad(lambda p: (lambda s, n: s / n)(*w.item_loss(p, big, None)))(
+        jax.tree.map(jnp.asarray, w.init_params()))
+    norm = float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads))))
+    assert metrics[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy,kind", [("ddp", "all-reduce"), ("zero1", "all-reduce"),
+                                           ("fsdp", "reduce-scatter")])
+def test_one_gradient_reduction_per_window_outside_the_scan(strategy, kind) -> None:
+    acc, state, step, _ = train(strategy, [])
+    window = acc.window(w.micro_batches(K))
+    counts = collective_counts(step.lower(state, window).compile().as_text())
+    assert sum(counts["in_loop"].values()) == 0, counts
+    assert counts["outside"][kind] >= 1, counts
+
+
+def test_hlo_reader_sees_a_reduction_inside_a_plain_jit_scan() -> None:
+    """The peer pattern (plain jit + NamedSharding + scan) reduces every micro-step: the reader
+    must see it, or the test above could not fail."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = axj.DDPStrategy().mesh
+    params = jax.device_put(jax.tree.map(jnp.asarray, w.init_params()),
+                            NamedSharding(mesh, P()))
+    batch = jax.device_put(w.concat([w.concat([b]) for b in w.micro_batches(1)]),
+                           NamedSharding(mesh, P("data")))
+    stacked = jax.tree.map(lambda x: jnp.stack([x] * K), batch)
+
+    def naive(p, xs):
+        def body(acc, micro):
+            g = jax.grad(lambda q: w.item_loss(q, micro, None)[0])(p)
+            return jax.tree.map(jnp.add, acc, g), None
+        return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), xs)[0]
+
+    stacked = jax.device_put(stacked, NamedSharding(mesh, P(None, "data")))
+    text = jax.jit(naive, out_shardings=NamedSharding(mesh, P())).lower(
+        params, stacked).compile().as_text()
+    assert collective_counts(text)["in_loop"]["all-reduce"] >= 1
+
+
+def test_torch_and_jax_backends_agree() -> None:
+    """The same MLP and data through accumix (torch) and accumix.jax: within 1e-5."""
+    import torch
+
+    import accumix as ax
+
+    params = w.init_params()
+    windows = windows_of(w.micro_batches(2 * K))
+    _, state, _, _ = train("ddp", windows, clip_norm=0.5)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(params["hidden"]["w"].T.copy()))
+        model[0].bias.copy_(torch.from_numpy(params["hidden"]["b"]))
+        model[2].weight.copy_(torch.from_numpy(params["out"]["w"].T.copy()))
+        model[2].bias.copy_(torch.from_numpy(params["out"]["b"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.01)
+    acc = ax.Accelerator(strategy="single", precision="fp32", grad_accum_steps=K)
+    model, opt = acc.setup(model, opt)
+    for window in windows:
+        for micro in window:
+            with acc.accumulate():
+                b = {k: torch.from_numpy(v) for k, v in micro.items()}
+                err = (model(b["x"])[..., 0] - b["y"]) ** 2 * b["mask"]
+                acc.backward(err.sum(), num_items=b["mask"].sum())
+                acc.clip_grad_norm_(0.5)
+                opt.step()
+                opt.zero_grad()
+    acc.end()
+    torch_params = {"hidden": {"w": model[0].weight.detach().numpy().T,
+                               "b": model[0].bias.detach().numpy()},
+                    "out": {"w": model[2].weight.detach().numpy().T,
+                            "b": model[2].bias.detach().numpy()}}
+    assert w.max_diff(state.params, torch_params) < 1e-5
+
+
+def test_window_from_the_loop_matches_a_list() -> None:
+    acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=K)
+    acc.setup(w.init_params(), w.optimizer())
+    window = acc.window(w.micro_batches(3))
+    assert window.batch["x"].shape == (K, w.ROWS, 3, 4)  # one process: its rows are global
+    assert np.asarray(window.mask).tolist() == [True, True, True, False]
+    assert window.batch["x"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
