@@ -222,6 +222,7 @@ class Accelerator:
         result: dict[int, Any] = {}
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, Optimizer)]
+        _check_one_model_per_optimizer(models, optimizers)
         for obj in objects:  # loaders first: one may fix K and the micro batch an engine needs
             if isinstance(obj, DataLoader):
                 result[id(obj)] = self._wrap_loader(obj)
@@ -502,25 +503,31 @@ class Accelerator:
         """
         return checkpoint.save_state(self, run_dir, keep_last=keep_last)
 
-    def load_state(self, path: str | os.PathLike[str]) -> Path:
+    def load_state(self, path: str | os.PathLike[str], *, strict: bool = True) -> Path:
         """Restores a ``save_state`` checkpoint into what was set up; training then continues
         bit for bit as if never stopped (same world size) or resharded (another world size).
 
         Call it after ``acc.setup(...)`` with the same kinds of objects, before the loop.
         Collective. A world size that differs re-maps each loader's position by samples.
 
+        Everything that can be checked is checked before any state is replaced: a refused
+        checkpoint leaves the run as it was.
+
         Args:
             path: a run directory (its ``latest`` is loaded) or one ``step-N`` directory.
+            strict: the models' keys must be exactly the checkpoint's; False loads the keys
+                both have (for a model that grew or lost a part).
 
         Returns:
             The step directory loaded.
 
         Raises:
             CheckpointError: a missing, torn or corrupt file, or a checkpoint that does not fit
-                this run (another strategy family, precision, model or set of objects); the
-                message names the file. Every rank raises it.
+                this run (another strategy family, precision, model, keys, scheduler type, set
+                of objects, or a loader position it cannot continue); the message names the
+                file. Every rank raises it.
         """
-        return checkpoint.load_state(self, path)
+        return checkpoint.load_state(self, path, strict=strict)
 
     def handle_preemption(
         self,
@@ -560,6 +567,8 @@ class Accelerator:
         exit: destroying it here races a rank that re-creates it at once against a peer whose
         old store still answers on the same port (a hang).
         """
+        # A signal in the last window or after the loop: saved now (collective), exit below.
+        preempted = self._preemption is not None and self._preemption.at_end()
         if self._preemption is not None:
             self._preemption.close()
         if self._watchdog is not None:
@@ -567,6 +576,8 @@ class Accelerator:
         self.strategy.teardown()
         if dist.is_initialized():
             dist.barrier()
+        if preempted:
+            raise SystemExit(0)
 
     def _check_same_config(self) -> None:
         mine = (type(self.strategy).__name__, self.policy.name, self._batch_sizes,
@@ -577,6 +588,19 @@ class Accelerator:
             raise ConfigError(
                 f"ranks disagree on (strategy, precision, batch sizes, scaler): rank 0 has "
                 f"{every[0]}, others {diff}; launch every rank with the same settings"
+            )
+
+
+def _check_one_model_per_optimizer(models: list[nn.Module], optimizers: list[Optimizer]) -> None:
+    # Each model is set up with the optimizers it owns: a shared one would be wrapped twice
+    # (and a checkpoint would hold it twice: DCP's KeyError inside save_state).
+    for index, opt in enumerate(optimizers):
+        owners = [i for i, m in enumerate(models) if _owns(m, opt)]
+        if len(owners) > 1:
+            raise ConfigError(
+                f"optimizer {index} ({type(opt).__name__}) holds parameters of models "
+                f"{owners} of this setup call; give each model its own optimizer, or put the "
+                "models in one nn.Module and set that up"
             )
 
 

@@ -9,86 +9,49 @@ A run directory holds one directory per save and a pointer to the newest::
                           torch.distributed.checkpoint, sharded where the backend shards, so it
                           loads on another world size)
         rank-0.pt ...     each rank's RNG states: tensors and numbers, read with weights_only=True
+        schedulers.pt     the LR schedulers' state_dicts as they are (a MultiStepLR's Counter of
+                          int milestones stays one: JSON would make its keys strings)
         meta.json         written last: versions, world, strategy, precision, the training state
                           (plain JSON) and the size of every other file
 
 A save is written to ``.step-N.tmp``, flushed and renamed; ``latest`` follows, so a crash at any
-moment leaves the previous checkpoint complete and pointed to. A load checks ``meta.json`` and
-every file's size before reading, and never unpickles arbitrary objects: JSON, ``weights_only``
-tensors, and torch.distributed.checkpoint's metadata through a whitelist of its own classes.
+moment leaves the previous checkpoint complete and pointed to (``accumix.run_dir``: the layout
+the JAX backend shares). A load checks everything it can before it changes anything
+(``meta.json``, every file's size, the loaders' positions, the schedulers' types, the models'
+keys) and never unpickles arbitrary objects: JSON, ``weights_only`` tensors, and
+torch.distributed.checkpoint's metadata through a whitelist.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
-import random
-import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch.optim import Optimizer
 
-# CheckpointError lives in accumix.errors (one class for both backends); re-exported here.
+from accumix import fault, rng_state
+from accumix import run_dir as layout
 from accumix.errors import AccumixError, CheckpointError, ConfigError
+from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
 
+__all__ = ["CheckpointError", "latest_checkpoint", "load_state", "resolve", "save_state"]
+
 log = logging.getLogger("accumix")
 
 FORMAT = 1
-LATEST = "latest"
-META = "meta.json"
 MODEL_DIR = "model"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-# -- the run directory -----------------------------------------------------------------------
-def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
-    """The step directory ``run_dir/latest`` points to, or None when nothing was saved yet.
-
-    For auto-resume: ``if latest_checkpoint(run_dir): acc.load_state(run_dir)``.
-    """
-    pointer = Path(run_dir) / LATEST
-    if not pointer.is_file():
-        return None
-    return Path(run_dir) / pointer.read_text().strip()
-
-
-def resolve(path: str | os.PathLike[str]) -> Path:
-    """A step directory from a run directory (following ``latest``) or a step directory.
-
-    Raises:
-        CheckpointError: neither ``latest`` nor ``meta.json`` is there, or ``latest`` points
-            to a directory that does not exist.
-    """
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    target = latest_checkpoint(path)
-    if target is None:
-        raise CheckpointError(
-            f"no checkpoint at {path}: it has neither {LATEST} nor {META}; pass a run "
-            "directory written by acc.save_state or one of its step-N directories"
-        )
-    if not target.is_dir():
-        raise CheckpointError(
-            f"{path / LATEST} points to {target.name}, which does not exist; "
-            f"load one of {_step_dirs(path) or 'no other checkpoints'} explicitly"
-        )
-    return target
-
-
-def _step_dirs(run_dir: Path) -> list[str]:
-    found = [(int(m.group(1)), p.name) for p in run_dir.iterdir()
-             if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return [name for _, name in sorted(found)]
+SCHEDULERS = "schedulers.pt"
+_STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "models",
+               "optimizers", "schedulers", "loaders")
 
 
 # -- save ------------------------------------------------------------------------------------
@@ -102,42 +65,36 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
+    # Refusals that every rank reaches alike, before anything is written: a checkpoint that
+    # could not be loaded must not replace one that can.
+    for index, loader in enumerate(acc._loaders):
+        loader.check_savable(f"DataLoader {index}")
+    schedulers = _scheduler_states(acc)
     run_dir = Path(run_dir)
     step = acc.optimizer_steps
     final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"
     strategy, rank = acc.strategy, acc.rank
 
     def prepare() -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in run_dir.glob(".step-*.*"):  # of saves that crashed half-way
-            shutil.rmtree(leftover, ignore_errors=True)
-        tmp.mkdir()
+        layout.prepare(run_dir, tmp)
 
     _agree(acc, prepare if rank == 0 else None, f"preparing {tmp}")
     optimizers = [o.optimizer for o in acc._optimizers]
     empty = [not o.state for o in optimizers]
-    strategy.save_checkpoint(str(tmp / MODEL_DIR), acc._models, optimizers)
+    with fault.phase(acc, "acc.save_state, writing the models and optimizers"):
+        strategy.save_checkpoint(str(tmp / MODEL_DIR), acc._models, optimizers)
     _reset_unstepped(optimizers, empty)
-    _agree(acc, lambda: _write_tensors(tmp / f"rank-{rank}.pt", _rng_state(acc)),
-           f"writing {tmp}/rank-*.pt")
+
+    def write_rank_files() -> None:
+        _write_tensors(tmp / f"rank-{rank}.pt", rng_state.capture(acc))
+        if rank == 0 and schedulers:
+            _write_tensors(tmp / SCHEDULERS, schedulers)
+
+    _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
     meta = _metadata(acc, empty)
 
     def publish() -> None:
-        meta["files"] = _manifest(tmp)
-        _write_json(tmp / META, meta)
-        _fsync(tmp)
-        if final.exists():  # a second save at the same step replaces the first
-            trash = run_dir / f".step-{step}.old"
-            shutil.rmtree(trash, ignore_errors=True)
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash)
-        else:
-            os.rename(tmp, final)
-        _fsync(run_dir)
-        _write_text(run_dir / LATEST, final.name + "\n")
-        if keep_last is not None:
-            _prune(run_dir, step, keep_last)
+        layout.publish(run_dir, tmp, final, meta, keep_last)
 
     _agree(acc, publish if rank == 0 else None, f"publishing {final}")
     return final
@@ -162,7 +119,8 @@ def _agree(acc: Accelerator, fn: Callable[[], None] | None, what: str) -> None:
             fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"{type(exc).__name__}: {exc}"
-    errors = acc.strategy.all_gather_object(error)
+    with fault.phase(acc, f"acc.save_state, {what}"):
+        errors = acc.strategy.all_gather_object(error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
@@ -175,6 +133,27 @@ def _reset_unstepped(optimizers: list[Optimizer], empty: list[bool]) -> None:
     for opt, was_empty in zip(optimizers, empty, strict=True):
         if was_empty and opt.state:
             opt.state.clear()
+
+
+def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
+    """Every scheduler's state_dict, checked to load back with ``weights_only=True``."""
+    states = [s.state_dict() for s in acc._schedulers]
+    buffer = io.BytesIO()
+    for index, (sched, state) in enumerate(zip(acc._schedulers, states, strict=True)):
+        buffer.seek(0)
+        buffer.truncate()
+        try:
+            torch.save(state, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - pickling errors, refused globals
+            raise CheckpointError(
+                f"LR scheduler {index} ({type(sched.scheduler).__name__}) has a state_dict "
+                f"that cannot be loaded safely ({type(exc).__name__}: {str(exc)[:200]}); keep "
+                "its state to tensors, numbers, strings and containers (a lambda is fine, an "
+                "object holding other objects is not)"
+            ) from exc
+    return states
 
 
 def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
@@ -201,124 +180,50 @@ def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
             "models": len(acc._models),
             "optimizers": [{"stepped_window": o.stepped_window, "empty": e}
                            for o, e in zip(acc._optimizers, empty, strict=True)],
-            "schedulers": [{"state": s.state_dict(), "stepped_window": s._stepped_window}
-                           for s in acc._schedulers],
+            # The state itself is in schedulers.pt; these are for a reader (and the type check).
+            "schedulers": [{"type": type(s.scheduler).__name__,
+                            "last_epoch": getattr(s.scheduler, "last_epoch", None),
+                            "stepped_window": s._stepped_window} for s in acc._schedulers],
             "loaders": loaders,
         },
     }
 
 
-def _manifest(directory: Path) -> dict[str, int]:
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
-    for path in files:  # ranks wrote them; make them durable before the rename publishes
-        _fsync(path)
-    return {p.relative_to(directory).as_posix(): p.stat().st_size for p in files}
-
-
-def _prune(run_dir: Path, current: int, keep_last: int) -> None:
-    older = [name for name in _step_dirs(run_dir) if int(name[5:]) < current]
-    for name in older[: max(len(older) - (keep_last - 1), 0)]:
-        shutil.rmtree(run_dir / name)
-
-
-# -- durable writes --------------------------------------------------------------------------
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    try:
-        text = json.dumps(obj, indent=1, allow_nan=True)
-    except TypeError as exc:
-        raise CheckpointError(
-            f"training state for {path} is not JSON (a scheduler or scaler state_dict holds "
-            f"a {exc}); keep such state to numbers, strings, lists and dicts"
-        ) from exc
-    _write_text(path, text)
-
-
-def _write_tensors(path: Path, obj: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# -- RNG -------------------------------------------------------------------------------------
-def _rng_state(acc: Accelerator) -> dict[str, Any]:
-    version, mt_state, gauss = random.getstate()
-    kind, key, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64),
-                   "gauss": gauss},
-        "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "loaders": [loader.loader.generator.get_state()
-                    if loader.loader.generator is not None else None
-                    for loader in acc._loaders],
-    }
-    return state
-
-
-def _set_rng_state(acc: Accelerator, state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
-    for loader, gen_state in zip(acc._loaders, state["loaders"], strict=False):
-        if gen_state is not None and loader.loader.generator is not None:
-            loader.loader.generator.set_state(gen_state)
-
-
 # -- load ------------------------------------------------------------------------------------
-def load_state(acc: Accelerator, path: str | os.PathLike[str]) -> Path:
+def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = True) -> Path:
     """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
     _check_between_windows(acc, "load_state")
     step_dir: Path | None = None
     meta: dict[str, Any] = {}
     rng: dict[str, Any] = {}
+    schedulers: list[dict[str, Any]] = []
     error: str | None = None
     try:  # everything that can be checked before anything is changed
         step_dir = resolve(path)
         meta = _validate(acc, step_dir)
         rng = _read_tensors(step_dir / f"rank-{acc.rank % meta['world_size']}.pt")
-    except CheckpointError as exc:
+        schedulers = _saved_scheduler_states(step_dir, meta)
+        for index, (loader, saved) in enumerate(zip(acc._loaders, meta["state"]["loaders"],
+                                                    strict=True)):
+            loader.check_state(saved, f"DataLoader {index}")
+    except (CheckpointError, ConfigError) as exc:
         error = str(exc)
-    errors = acc.strategy.all_gather_object(error)  # every rank refuses, or none does
+    with fault.phase(acc, "acc.load_state, checking the checkpoint"):
+        errors = acc.strategy.all_gather_object(error)  # every rank refuses, or none does
     if any(errors):
         raise CheckpointError(next(e for e in errors if e))
     assert step_dir is not None
     optimizers = [o.optimizer for o in acc._optimizers]
+    empty_before = [not o.state for o in optimizers]
     try:
-        acc.strategy.load_checkpoint(str(step_dir / MODEL_DIR), acc._models, optimizers)
+        with fault.phase(acc, "acc.load_state, reading the models and optimizers"):
+            # strict=False only when asked: a Strategy of the user's may not take the keyword.
+            acc.strategy.load_checkpoint(str(step_dir / MODEL_DIR), acc._models, optimizers,
+                                         **({} if strict else {"strict": False}))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        _reset_unstepped(optimizers, empty_before)  # a refusal leaves no zero-step state
         cause = _first_failure(exc)
         if isinstance(cause, AccumixError):  # our own clear refusal, raised inside DCP
             raise cause from exc
@@ -330,8 +235,9 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str]) -> Path:
     _reset_unstepped(optimizers, [o["empty"] for o in state["optimizers"]])
     for opt, saved in zip(acc._optimizers, state["optimizers"], strict=True):
         opt.stepped_window = saved["stepped_window"]
-    for sched, saved in zip(acc._schedulers, state["schedulers"], strict=True):
-        sched.load_state_dict(saved["state"])
+    for sched, saved, sched_state in zip(acc._schedulers, state["schedulers"], schedulers,
+                                         strict=True):
+        sched.load_state_dict(sched_state)
         sched._stepped_window = saved["stepped_window"]
     acc.strategy.scaler.load_state_dict(state["scaler"])
     acc._window.load_state_dict(state["window"])
@@ -340,7 +246,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str]) -> Path:
     for loader, saved in zip(acc._loaders, state["loaders"], strict=True):
         loader.load_state_dict(saved)
     # Last: nothing above may draw from the generators once they hold the saved streams.
-    _set_rng_state(acc, rng)
+    rng_state.restore(acc, rng)
     saved_world = meta["world_size"]
     if saved_world != acc.world_size:
         log.info("loaded %s saved on %d ranks into %d; ranks >= %d took the RNG streams of "
@@ -359,22 +265,43 @@ def _first_failure(exc: BaseException) -> BaseException:
     return exc
 
 
+def _saved_scheduler_states(step_dir: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    saved = meta["state"]["schedulers"]
+    if not saved:
+        return []
+    if all("state" in s for s in saved):  # written before schedulers.pt existed
+        return [s["state"] for s in saved]
+    states = _read_tensors(step_dir / SCHEDULERS)
+    if not isinstance(states, list) or len(states) != len(saved):
+        raise CheckpointError(f"{step_dir / SCHEDULERS} does not hold {len(saved)} LR "
+                              f"scheduler states; {alternatives(step_dir)}")
+    return states
+
+
 def _validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
     meta_path = step_dir / META
     try:
         meta = json.loads(meta_path.read_text())
         state = meta["state"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{meta_path} is unreadable or incomplete ({exc}); "
-                              f"{_alternatives(step_dir)}") from exc
-    for name, size in meta.get("files", {}).items():
+        missing = [k for k in ("format", "world_size", "files") if k not in meta] + [
+            f"state.{k}" for k in _STATE_KEYS if k not in state]
+        files = dict(meta["files"]) if "files" in meta else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{meta_path} is unreadable or incomplete "
+                              f"({type(exc).__name__}: {exc}); {alternatives(step_dir)}") from exc
+    if missing:
+        raise CheckpointError(
+            f"{meta_path} is not the meta.json of an accumix checkpoint (it has no "
+            f"{', '.join(map(repr, missing))}); pass a directory written by acc.save_state"
+        )
+    for name, size in files.items():
         file = step_dir / name
         if not file.is_file():
-            raise CheckpointError(f"{file} is missing; {_alternatives(step_dir)}")
+            raise CheckpointError(f"{file} is missing; {alternatives(step_dir)}")
         if file.stat().st_size != size:
             raise CheckpointError(
                 f"{file} has {file.stat().st_size} bytes where {size} were written (truncated "
-                f"or overwritten); {_alternatives(step_dir)}"
+                f"or overwritten); {alternatives(step_dir)}"
             )
     expected = {
         "format": FORMAT,
@@ -399,21 +326,30 @@ def _validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
                 f"{meta_path} holds {saved} {what} but this run set up {mine}; "
                 "call acc.setup with the same objects before acc.load_state"
             )
+    for index, (saved, sched) in enumerate(zip(state["schedulers"], acc._schedulers,
+                                               strict=True)):
+        mine = type(sched.scheduler).__name__
+        if saved.get("type", mine) != mine:
+            raise CheckpointError(
+                f"{meta_path} holds a {saved['type']} as LR scheduler {index} but this run set "
+                f"up a {mine}; set up the scheduler the checkpoint was saved with"
+            )
     if not (step_dir / f"rank-{acc.rank % meta['world_size']}.pt").is_file():
         raise CheckpointError(f"{step_dir}/rank-{acc.rank % meta['world_size']}.pt is missing")
     return meta
 
 
-def _alternatives(step_dir: Path) -> str:
-    others = [n for n in _step_dirs(step_dir.parent) if n != step_dir.name]
-    if not others:
-        return "the checkpoint is unusable and there is no other in its run directory"
-    return f"the checkpoint is unusable; load an earlier one: {', '.join(others)}"
+def _write_tensors(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def _read_tensors(path: Path) -> dict[str, Any]:
+def _read_tensors(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - zip errors, EOF, refused globals
         raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); "
-                              f"{_alternatives(path.parent)}") from exc
+                              f"{alternatives(path.parent)}") from exc

@@ -118,10 +118,15 @@ class AcceleratedDataLoader:
         self._started = False  # the current epoch has begun: the next iter() starts another
         self._epoch_done = False  # its last batch has been yielded
         self._resume_position = 0
+        # The interrupted run's persistent worker iterator existed: its epochs drew no seed.
+        self._seeded_before = False
+        self._unresumable = ""  # why a mid-epoch position cannot be continued, if it cannot
         if isinstance(loader.dataset, IterableDataset):
             self.loader = loader  # the user shards an iterable dataset; we cannot
+            self._unresumable = f"an IterableDataset ({type(loader.dataset).__name__})"
             return
         sampler = loader.sampler
+        drop_last = loader.drop_last
         if loader.batch_size is None:
             if world_size > 1:
                 raise ConfigError(
@@ -130,13 +135,17 @@ class AcceleratedDataLoader:
                     "pass batch_size= and shuffle= instead"
                 )
             self.loader = loader
+            self._unresumable = (f"a custom batch_sampler ({type(loader.batch_sampler).__name__})")
             return
         if isinstance(sampler, DistributedSampler):
-            shuffle, seed = sampler.shuffle, sampler.seed
+            # The user's settings, drop_last included (else 7 samples on 2 ranks would repeat
+            # sample 0 on rank 1).
+            shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
         elif isinstance(sampler, (RandomSampler, SequentialSampler)):
             shuffle = isinstance(sampler, RandomSampler)
         elif world_size == 1:
             self.loader = loader  # the user's own sampler; kept, but not resumable mid-epoch
+            self._unresumable = f"a custom sampler ({type(sampler).__name__})"
             return
         else:
             raise ConfigError(
@@ -149,7 +158,7 @@ class AcceleratedDataLoader:
             rank=rank,
             shuffle=shuffle,
             seed=seed,
-            drop_last=loader.drop_last,
+            drop_last=drop_last,
         )
         self.loader = _rebuild(loader, self.sampler)
 
@@ -177,10 +186,13 @@ class AcceleratedDataLoader:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start_index = skip * (self.loader.batch_size or 1)
         self.position = skip
-        if skip:
+        seeded, self._seeded_before = (self._seeded_before
+                                       and getattr(self.loader, "_iterator", None) is None), False
+        if skip or seeded:
             # DataLoader.__iter__ draws its workers' base seed from the global RNG (or the
             # loader's generator). The interrupted run drew it when this epoch began, before the
-            # RNG state that was saved and restored: drawing again would shift dropout.
+            # RNG state that was saved and restored (or, with persistent workers, only at its
+            # first epoch): drawing again would shift dropout.
             generator = self.loader.generator
             saved = generator.get_state() if generator is not None else None
             with torch.random.fork_rng(devices=[]):
@@ -207,17 +219,42 @@ class AcceleratedDataLoader:
             self._on_batch(is_last)
             yield move_to_device(batch, self.device, self._non_blocking) if self._move else batch
             if is_last:
+                # The last batch is used: the hook runs before the user's next iter() draws
+                # the next epoch's seed (a save there would miss that draw on resume).
+                if self._between_batches is not None:
+                    self._between_batches()
                 return
             batch = upcoming
 
     def state_dict(self) -> dict[str, int]:
         """Where the next ``iter()`` continues: an epoch and the batches of it already used.
-        A finished epoch is saved as the start of the next one."""
+        A finished epoch is saved as the start of the next one. With persistent workers,
+        ``persistent_iterator`` says the workers exist (the next epochs draw no seed)."""
         if not self._started:
-            return {"epoch": self.epoch, "position": self._resume_position}
-        if self._epoch_done:
-            return {"epoch": self.epoch + 1, "position": 0}
-        return {"epoch": self.epoch, "position": self.position}
+            state = {"epoch": self.epoch, "position": self._resume_position}
+        elif self._epoch_done:
+            state = {"epoch": self.epoch + 1, "position": 0}
+        else:
+            state = {"epoch": self.epoch, "position": self.position}
+        if self.loader.persistent_workers and self.loader.num_workers > 0 and (
+                self._seeded_before or getattr(self.loader, "_iterator", None) is not None):
+            state["persistent_iterator"] = 1
+        return state
+
+    def check_savable(self, name: str) -> None:
+        """Refuses a mid-epoch save that ``load_state_dict`` could not continue.
+
+        Raises:
+            ConfigError: the epoch is part used and the loader has no position to resume.
+        """
+        position = self.state_dict()["position"]
+        if position and self._unresumable:
+            raise ConfigError(
+                f"{name} cannot be saved mid-epoch ({position} batches into epoch "
+                f"{self.epoch}): it has {self._unresumable}, which cannot continue at a batch; "
+                "save when its epoch has ended, or use batch_size= with shuffle=True/False or a "
+                "DistributedSampler, which resume at the exact batch"
+            )
 
     def sampling_state(self) -> dict[str, int]:
         """What lets a run on another world size continue ``state_dict()`` at the same sample
@@ -238,7 +275,25 @@ class AcceleratedDataLoader:
             ConfigError: a mid-epoch position for a loader without a resumable sampler, or one
                 that does not fall on a batch boundary at this world size and batch size.
         """
+        position = self._position_from(state, "this DataLoader")
+        if self.sampler is not None and "seed" in state:
+            self.sampler.seed = int(state["seed"])  # the interrupted run's shuffle
+        self.epoch, self._started, self._epoch_done = int(state["epoch"]), False, False
+        self._resume_position = self.position = position
+        self._seeded_before = bool(state.get("persistent_iterator"))
+
+    def check_state(self, state: dict[str, int], name: str) -> None:
+        """Raises the ``ConfigError`` that ``load_state_dict(state)`` would, changing nothing."""
+        self._position_from(state, name)
+
+    def _position_from(self, state: dict[str, int], name: str) -> int:
         position = int(state["position"])
+        if self._unresumable and position:
+            raise ConfigError(
+                f"{name} was saved {position} batches into epoch {state['epoch']} but has "
+                f"{self._unresumable}, which cannot continue mid-epoch; load a checkpoint saved "
+                "at an epoch end"
+            )
         batch_size = self.loader.batch_size or 1
         saved_batch, saved_world = state.get("batch_size", batch_size), state.get(
             "world_size", self._world_size)
@@ -255,12 +310,4 @@ class AcceleratedDataLoader:
                     "epoch boundary or with a batch size and world size that divide it"
                 )
             position = samples // per_step
-        if self.sampler is None and position:
-            raise ConfigError(
-                "this DataLoader has no resumable sampler (custom sampler or iterable dataset); "
-                "it cannot continue mid-epoch"
-            )
-        if self.sampler is not None and "seed" in state:
-            self.sampler.seed = int(state["seed"])  # the interrupted run's shuffle
-        self.epoch, self._started, self._epoch_done = int(state["epoch"]), False, False
-        self._resume_position = self.position = position
+        return position

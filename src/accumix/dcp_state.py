@@ -23,7 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
 
 from accumix.checkpoint import CheckpointError
@@ -41,16 +45,88 @@ def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
         dcp.save(state, checkpoint_id=directory, no_dist=not _distributed())
 
 
-def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer]) -> None:
-    """Loads what ``save_sharded`` wrote into the set-up models and optimizers (collective)."""
+def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer], *,
+                 strict: bool = True) -> None:
+    """Loads what ``save_sharded`` wrote into the set-up models and optimizers (collective).
+
+    The keys are compared before anything is read: with ``strict``, a model whose keys are not
+    exactly the checkpoint's is refused (DCP alone would load a model holding only some of
+    them without a word); otherwise the keys both have are loaded. A parameter the saving run's
+    optimizer held no state for (it never had a gradient) gets none here either.
+
+    Raises:
+        CheckpointError: with ``strict``, keys one side has and the other lacks (named).
+    """
+    reader = _SafeReader(directory)
+    saved = set(reader.read_metadata().state_dict_metadata)
     state = _state(models, optimizers)
+    partial = False
+    for i in range(len(models)):
+        missing, unexpected = _compare_keys(state[f"model{i}"], saved, f"model{i}.")
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"{directory} does not fit model {i}: the model has {_some(missing)} that the "
+                f"checkpoint lacks, the checkpoint has {_some(unexpected)} that the model "
+                "lacks; load it into the model it was saved from, or pass strict=False to load "
+                "the keys both have"
+            )
+        for key in missing:
+            del state[f"model{i}"][key]
+        partial = partial or bool(missing)
+        optim_states = state.get(f"optim{i}", {}).get("state", {})
+        held, _ = _owners(saved, f"optim{i}.state.", set(optim_states))
+        for fqn in set(optim_states) - held:
+            del optim_states[fqn]  # no gradient ever reached it in the saving run: no state
+            partial = True  # set_state_dict, strict, would refuse the stateless parameter
+    # Each group's parameter names as this run has them: without strict, the saved names may
+    # include parameters this model no longer has.
+    own_names = {key: [list(g["params"]) for g in optim.get("param_groups", [])]
+                 for key, optim in state.items() if key.startswith("optim")}
     with _quiet_single_process():
-        dcp.load(state, storage_reader=_SafeReader(directory), planner=_SafePlanner(),
+        dcp.load(state, storage_reader=reader, planner=_SafePlanner(),
                  no_dist=not _distributed())
+    if not strict:
+        for key, names in own_names.items():
+            for group, params in zip(state[key]["param_groups"], names, strict=True):
+                group["params"] = params
+    # The keys were compared above: strict=False here only lets the parts left out stay out.
+    options = StateDictOptions(strict=False) if partial else None
     for i, model in enumerate(models):
         opts = _owned(model, optimizers)
         set_state_dict(model, opts, model_state_dict=state[f"model{i}"],
-                       optim_state_dict=state.get(f"optim{i}", {}))
+                       optim_state_dict=state.get(f"optim{i}", {}), options=options)
+
+
+def _compare_keys(model_state: dict[str, Any], saved: set[str], prefix: str
+                  ) -> tuple[list[str], list[str]]:
+    """(model keys the checkpoint lacks, checkpoint keys the model lacks) under ``prefix``."""
+    mine = set(model_state)
+    found, unexpected = _owners(saved, prefix, mine)
+    return sorted(mine - found), unexpected
+
+
+def _owners(saved: set[str], prefix: str, mine: set[str]) -> tuple[set[str], list[str]]:
+    """The keys of ``mine`` that saved keys under ``prefix`` belong to, and the saved keys that
+    belong to none. DCP flattens nested entries (``_extra_state``, an optimizer state's
+    tensors) into dotted sub-keys: a saved key belongs to the longest key it starts with."""
+    found: set[str] = set()
+    unexpected = []
+    for key in sorted(k[len(prefix):] for k in saved if k.startswith(prefix)):
+        head = key
+        while head not in mine and "." in head:
+            head = head.rsplit(".", 1)[0]
+        if head in mine:
+            found.add(head)
+        else:
+            unexpected.append(key)
+    return found, unexpected
+
+
+def _some(keys: list[str]) -> str:
+    if not keys:
+        return "no keys"
+    shown = ", ".join(repr(k) for k in keys[:4])
+    return f"{len(keys)} key(s) ({shown}{', ...' if len(keys) > 4 else ''})"
 
 
 def _state(models: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:

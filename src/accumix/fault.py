@@ -2,7 +2,9 @@
 
 * **Watchdog.** In a distributed run each rank's daemon thread writes a heartbeat and its
   progress (window index, micro-step) to the job's TCP store about once a second; the main
-  thread pays nothing. gloo's errors name no rank ("Timed out waiting 3000ms for recv",
+  thread pays nothing. Between windows, the collectives accumix adds (a checkpoint's phases,
+  the pre-emption check) count as progress too: a rank stalled after a boundary is behind one
+  already inside ``save_state``. gloo's errors name no rank ("Timed out waiting 3000ms for recv",
   "Connection closed by peer [127.0.0.1]:26331"), so when an exception from a collective
   reaches the top of the script, the rank reads every heartbeat twice and says which rank
   stopped (its heartbeat stopped: died or frozen) or is stuck (alive, behind the others). Any
@@ -15,12 +17,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -62,20 +66,25 @@ class Watchdog:
         """Reports ``acc``'s progress from now on (the newest Accelerator of the process)."""
         self._accelerator = weakref.ref(acc)
 
-    def progress(self) -> tuple[int, int]:
-        """(windows finished, micro-steps begun in the next one): grows with every micro-step."""
+    def progress(self) -> tuple[int, int, int]:
+        """(windows finished, micro-steps begun in the next one, accumix collectives entered
+        between windows): grows with every micro-step and every such collective."""
         acc = self._accelerator() if self._accelerator is not None else None
         if acc is None:
-            return (0, 0)
-        window = acc._window
+            return (0, 0, 0)
+        window, entered = acc._window, getattr(acc, "_sync_points", 0)
         if window.micro_step == 0:  # between windows (also after a boundary that raised)
-            return (window.index + 1, 0)
-        return (window.index, window.micro_step)
+            return (window.index + 1, 0, entered)
+        return (window.index, window.micro_step, entered)
+
+    def _label(self) -> str:
+        acc = self._accelerator() if self._accelerator is not None else None
+        return getattr(acc, "_sync_label", "") if acc is not None else ""
 
     def _beat(self) -> None:
         self._seq += 1
-        index, micro = self.progress()
-        self.store.set(f"hb/{self.rank}", f"{self._seq} {index} {micro}")
+        index, micro, entered = self.progress()
+        self.store.set(f"hb/{self.rank}", f"{self._seq} {index} {micro} {entered} {self._label()}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -104,13 +113,15 @@ class Watchdog:
         except Exception:  # noqa: BLE001
             pass
 
-    def _heartbeats(self) -> dict[int, tuple[int, int, int]]:
+    def _heartbeats(self) -> dict[int, tuple[int, tuple[int, int, int], str]]:
+        """rank -> (heartbeat number, progress, the accumix collective it is in or "")."""
         beats = {}
         for rank in range(self.world_size):
             key = f"hb/{rank}"
             if self.store.check([key]) and not self.store.check([f"done/{rank}"]):
-                seq, index, micro = self.store.get(key).decode().split()
-                beats[rank] = (int(seq), int(index), int(micro))
+                seq, index, micro, entered, *label = self.store.get(key).decode().split(" ", 4)
+                beats[rank] = (int(seq), (int(index), int(micro), int(entered)),
+                               label[0] if label else "")
         return beats
 
     def diagnose(self) -> str:
@@ -123,8 +134,9 @@ class Watchdog:
             return f"the job's store is unreachable ({exc}); rank 0 or the launcher has exited"
         silent = sorted(r for r in first if r != self.rank
                         and (r not in second or second[r][0] == first[r][0]))
-        alive = {r: (b[1], b[2]) for r, b in second.items() if r not in silent}
-        alive[self.rank] = self.progress()
+        alive = {r: b[1] for r, b in second.items() if r not in silent}
+        labels = {r: b[2] for r, b in second.items() if r not in silent}
+        alive[self.rank], labels[self.rank] = self.progress(), self._label()
         lead = max(alive.values())
         leader = min(r for r, p in alive.items() if p == lead)
         behind = sorted(r for r, p in alive.items() if p < lead)
@@ -134,19 +146,30 @@ class Watchdog:
                          f"{2.5 * self.interval:.1f}s: the process died or is frozen; its own "
                          "log or the launcher's exit summary says why)")
         if behind:
-            where = ", ".join(f"rank {r} at {_where(alive[r])}" for r in behind)
+            where = ", ".join(f"rank {r} at {_where(alive[r], labels[r])}" for r in behind)
             parts.append(f"rank(s) {_list(behind)} are alive but stuck behind ({where}) while "
-                         f"rank {leader} reached {_where(lead)}: a hang outside accumix, or a "
-                         "collective they skipped")
+                         f"rank {leader} reached {_where(lead, labels[leader])}: a hang outside "
+                         "accumix, or a collective they skipped")
         if not parts:
-            parts.append(f"every rank is alive at {_where(lead)}: the network failed, or the "
-                         "ranks called different collectives")
+            parts.append(f"every rank is alive at {_where(lead, labels[leader])}: the network "
+                         "failed, or the ranks called different collectives")
         return "; ".join(parts)
 
 
-def _where(progress: tuple[int, int]) -> str:
-    windows, micro = progress
-    return f"{windows} windows done + {micro} micro-step(s)"
+def _where(progress: tuple[int, int, int], label: str = "") -> str:
+    windows, micro, _ = progress
+    return f"{windows} windows done + {micro} micro-step(s)" + (f", in {label}" if label else "")
+
+
+@contextlib.contextmanager
+def phase(acc: Accelerator, label: str) -> Iterator[None]:
+    """Marks a collective accumix adds between windows, so the watchdog sees a rank that has
+    not reached it as behind (the window counters alone are equal there)."""
+    acc._sync_points = getattr(acc, "_sync_points", 0) + 1  # type: ignore[attr-defined]
+    acc._sync_label = label  # type: ignore[attr-defined]
+    yield
+    # Only on success: a collective that failed here leaves the label for the diagnosis.
+    acc._sync_label = ""  # type: ignore[attr-defined]
 
 
 def _list(ranks: list[int]) -> str:
@@ -222,6 +245,13 @@ class PreemptionHandler:
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("handle_preemption must be called from the main thread "
                               "(Python delivers signals there)")
+        for index, loader in enumerate(acc._loaders):
+            if loader._unresumable:  # a signal mid-epoch would find no save it could make
+                raise ConfigError(
+                    f"handle_preemption cannot save DataLoader {index} mid-epoch: it has "
+                    f"{loader._unresumable}; use batch_size= with shuffle=True/False or a "
+                    "DistributedSampler, or save with acc.save_state at epoch ends instead"
+                )
         self._acc, self.run_dir, self.keep_last, self.exit = acc, Path(run_dir), keep_last, exit
         self.triggered, self.checkpoint = False, None
         self._requested = False
@@ -237,16 +267,35 @@ class PreemptionHandler:
         if window.micro_step or window.index == self._checked_window:
             return
         self._checked_window = window.index
+        if self._agreed("the pre-emption check") and self._save() and self.exit:
+            raise SystemExit(0)
+
+    def at_end(self) -> bool:
+        """At ``acc.end()``: a signal that came in the last window or after the loop is
+        honoured now (saved, when between windows). Returns whether to exit 0 after ``end``."""
+        if self.triggered or not self._previous:
+            return False
+        if not self._agreed("the pre-emption check of acc.end()"):
+            return False
+        if self._acc._window.micro_step:  # a checkpoint cannot hold half a window
+            self.close()
+            print(f"accumix: rank {self._acc.rank} pre-empted inside an accumulation window at "
+                  f"acc.end(); nothing saved", file=sys.stderr, flush=True)
+            return self.exit
+        return self._save() and self.exit
+
+    def _agreed(self, label: str) -> bool:
         flag = torch.tensor([1.0 if self._requested else 0.0], device=self._acc.device)
-        if not self._acc.strategy.all_reduce(flag, "max").item():
-            return
+        with phase(self._acc, label):
+            return bool(self._acc.strategy.all_reduce(flag, "max").item())
+
+    def _save(self) -> bool:
         self.checkpoint = self._acc.save_state(self.run_dir, keep_last=self.keep_last)
         self.triggered = True
         self.close()
         print(f"accumix: rank {self._acc.rank} pre-empted; saved {self.checkpoint}",
               file=sys.stderr, flush=True)
-        if self.exit:
-            raise SystemExit(0)
+        return True
 
     def close(self) -> None:
         """Restores the signal handlers that were there before."""

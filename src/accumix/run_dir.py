@@ -6,7 +6,11 @@
       .step-121.tmp   a save in progress (removed by the next save)
 
 A save writes ``.step-N.tmp``, flushes, renames it to ``step-N`` and then replaces ``latest``:
-a crash at any moment leaves the previous checkpoint complete and pointed to.
+a crash at any moment leaves the previous checkpoint complete and pointed to. A second save at
+the same step moves the first aside to ``.step-N.old`` before its rename: a crash between those
+two renames leaves ``latest`` naming a directory that is, for a moment, not there; the complete
+``.step-N.tmp`` (the newer save: its ``meta.json`` is written before any rename) or
+``.step-N.old`` stands in for it, and the next save renames it back into place.
 """
 
 from __future__ import annotations
@@ -26,11 +30,35 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
-    """The step directory ``run_dir/latest`` points to, or None when nothing was saved yet."""
+    """The step directory ``run_dir/latest`` points to, or None when nothing was saved yet.
+
+    For auto-resume: ``if latest_checkpoint(run_dir): acc.load_state(run_dir)``. After a crash
+    in the middle of replacing a step directory this is the complete copy that survived.
+    """
     pointer = Path(run_dir) / LATEST
     if not pointer.is_file():
         return None
-    return Path(run_dir) / pointer.read_text().strip()
+    target = Path(run_dir) / pointer.read_text().strip()
+    if target.is_dir():
+        return target
+    return _stand_in(target) or target
+
+
+def _stand_in(target: Path) -> Path | None:
+    """The complete leftover of an interrupted replacement of ``target``, newest first."""
+    for suffix in (".tmp", ".old"):
+        candidate = target.with_name(f".{target.name}{suffix}")
+        if (candidate / META).is_file():
+            return candidate
+    return None
+
+
+def _recover(run_dir: Path) -> None:
+    # Before leftovers are cleared: else latest would point at nothing until the save publishes.
+    target = latest_checkpoint(run_dir)
+    if target is not None and target.name.startswith("."):
+        os.rename(target, run_dir / (run_dir / LATEST).read_text().strip())
+        fsync(run_dir)
 
 
 def step_dirs(run_dir: Path) -> list[str]:
@@ -45,7 +73,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
 
     A crash while a second save of the same step swapped directories can leave ``latest``
     pointing at a name that is briefly absent; the complete copy (``.step-N.tmp`` or
-    ``.step-N.old`` with its ``meta.json``) is then used.
+    ``.step-N.old`` with its ``meta.json``) is then used (``latest_checkpoint``).
 
     Raises:
         CheckpointError: neither ``latest`` nor ``meta.json`` is there, or ``latest`` points
@@ -60,13 +88,18 @@ def resolve(path: str | os.PathLike[str]) -> Path:
             f"no checkpoint at {path}: it has neither {LATEST} nor {META}; pass a run "
             "directory written by save_state or one of its step-N directories")
     if not target.is_dir():
-        for spare in (path / f".{target.name}.tmp", path / f".{target.name}.old"):
-            if (spare / META).is_file():
-                return spare
         raise CheckpointError(
             f"{path / LATEST} points to {target.name}, which does not exist; "
             f"load one of {step_dirs(path) or 'no other checkpoints'} explicitly")
     return target
+
+
+def alternatives(step_dir: Path) -> str:
+    """The advice after a refusal: the other step directories of the run, if any."""
+    others = [n for n in step_dirs(step_dir.parent) if n != step_dir.name]
+    if not others:
+        return "the checkpoint is unusable and there is no other in its run directory"
+    return f"the checkpoint is unusable; load an earlier one: {', '.join(others)}"
 
 
 def fsync(path: Path) -> None:
@@ -139,8 +172,10 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
 
 
 def prepare(run_dir: Path, tmp: Path) -> None:
-    """Creates ``run_dir`` and an empty ``tmp``, removing what crashed saves left."""
+    """Creates ``run_dir`` and an empty ``tmp``, removing what crashed saves left (after putting
+    the stand-in of a missing ``latest`` target back in place)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    _recover(run_dir)
     for leftover in run_dir.glob(".step-*.*"):
         shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir()
@@ -156,6 +191,7 @@ def publish(run_dir: Path, tmp: Path, final: Path, meta: dict[str, Any],
     if final.exists():  # a second save at the same step replaces the first
         trash = run_dir / f".{final.name}.old"
         shutil.rmtree(trash, ignore_errors=True)
+        # A crash between these renames: latest_checkpoint finds the complete .tmp (or .old).
         os.rename(final, trash)
         os.rename(tmp, final)
         shutil.rmtree(trash)

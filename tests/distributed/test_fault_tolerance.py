@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -64,18 +65,34 @@ def test_sigkill_restart_and_sigterm_resume_bit_identical(tmp_path: Path) -> Non
         assert torch.equal(expected[name], got[name]), name
 
 
-def test_hung_rank_stops_every_process_within_the_timeout(tmp_path: Path) -> None:
+HANGS = {
+    # rank 1 stops one micro-step into window 3; rank 0 waits in that window's collective
+    "in a window": (("--hang-at", "2"), "rank 1 at 2 windows done + 1 micro-step(s)", ""),
+    # rank 1 stops between windows 3 and 4; rank 0 is in the pre-emption check
+    "between windows": (("--hang-between", "3"), "rank 1 at 3 windows done + 0 micro-step(s)",
+                        " while rank 0 reached 3 windows done + 0 micro-step(s), in the "
+                        "pre-emption check:"),
+    # rank 1 stops before the save at step 2; rank 0 is in save_state's first collective
+    "before a save": (("--hang-before-save", "2"), "rank 1 at 2 windows done + 0 micro-step(s)",
+                      " while rank 0 reached 2 windows done + 0 micro-step(s), in "
+                      "acc.save_state, preparing "),
+}
+
+
+@pytest.mark.parametrize("where", sorted(HANGS))
+def test_hung_rank_stops_every_process_within_the_timeout(tmp_path: Path, where: str) -> None:
+    args, behind, leader = HANGS[where]
     timeout = 3.0
     run = tmp_path / "hang"
-    result = _launch(run, "--hang-at", "2", "--timeout", str(timeout), timeout=90)
+    result = _launch(run, *args, "--timeout", str(timeout), timeout=90)
     stopped = time.time()
     assert result.returncode != 0
     hung_for = stopped - float((run / "hang_started").read_text())
     # gloo's timeout on rank 0, the diagnosis (2.5 heartbeats of 0.3 s), rank 1's watchdog
     # (4.8 s measured; the margin is for a loaded machine).
     assert hung_for < timeout + 10.0, hung_for
-    assert ("rank(s) 1 are alive but stuck behind (rank 1 at 2 windows done + 1 micro-step(s))"
-            in result.stderr), result.stderr[-3000:]
+    assert f"rank(s) 1 are alive but stuck behind ({behind}){leader}" in result.stderr, (
+        result.stderr[-3000:])
     # Both workers ended with a failure (rank 1 by its watchdog or by the agent).
     assert result.stderr.count("exitcode  : ") == 2, result.stderr[-2000:]
     assert "exitcode  : 0" not in result.stderr

@@ -5,11 +5,15 @@ restore. As a script it auto-resumes from ``RUN_DIR/latest`` and can hurt itself
 
     python -m torch.distributed.run --nproc-per-node 2 --max-restarts 1 \\
         tests/scripts/resumable_train.py RUN_DIR [--kill-at N] [--term-at N] [--hang-at N]
+        [--hang-between N] [--hang-before-save N]
 
 ``--kill-at N``: on the first attempt, rank 1 SIGKILLs itself one micro-step after step N.
 ``--term-at N``: on a restarted attempt, rank 1 sends itself SIGTERM one micro-step after
 step N (pre-emption: every rank saves at the next boundary and exits 0).
-``--hang-at N``: rank 1 sleeps forever after step N. Rank 0 writes ``RUN_DIR/final`` (the
+``--hang-at N``: rank 1 sleeps forever one micro-step after step N; ``--hang-between N``: at
+the boundary of step N, after its save (rank 0 goes on to the pre-emption check);
+``--hang-before-save N``: at the boundary of step N, before its save (rank 0 goes on into
+``save_state``). Rank 0 writes ``RUN_DIR/final`` (the
 model's safetensors) at the end and appends what happened to ``RUN_DIR/events.txt``;
 ``--reference DIR`` then trains the same job uninterrupted in the same processes and writes it
 to DIR.
@@ -56,8 +60,10 @@ def build(acc: ax.Accelerator, *, dropout: float = 0.2, micro_batch: int = MICRO
 def train(acc: ax.Accelerator, objects: tuple[Any, ...], *, epochs: int,
           stop_at: int | None = None, save_at: Container[int] = (),
           run_dir: str | os.PathLike[str] | None = None,
-          after_micro_step: Callable[[ax.Accelerator], None] | None = None) -> None:
-    """The loop of DESIGN.md; saves after the steps in ``save_at``, returns after ``stop_at``."""
+          after_micro_step: Callable[[ax.Accelerator], None] | None = None,
+          at_boundary: Callable[[ax.Accelerator], None] | None = None) -> None:
+    """The loop of DESIGN.md; saves after the steps in ``save_at``, returns after ``stop_at``;
+    ``at_boundary`` runs after each boundary's micro-step, before its save."""
     model, opt, loader, sched = objects
     for _ in range(loader.epoch, epochs):
         for x, y in loader:
@@ -68,6 +74,8 @@ def train(acc: ax.Accelerator, objects: tuple[Any, ...], *, epochs: int,
                 sched.step()
                 opt.zero_grad()
             if acc.sync_gradients:
+                if at_boundary is not None:
+                    at_boundary(acc)
                 if acc.optimizer_steps in save_at:
                     acc.save_state(run_dir, keep_last=2)
                 if acc.optimizer_steps == stop_at:
@@ -88,6 +96,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--term-at", type=int)
     parser.add_argument("--hang-at", type=int)
+    parser.add_argument("--hang-between", type=int)
+    parser.add_argument("--hang-before-save", type=int)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--reference", help="then train uninterrupted, write it here")
     args = parser.parse_args()
@@ -101,21 +111,31 @@ def main() -> None:
     resumed = acc.load_state(run_dir).name if latest_checkpoint(run_dir) else "-"
     event(run_dir, acc, f"attempt {attempt} resumed {resumed}")
 
+    def hang() -> None:
+        (run_dir / "hang_started").write_text(str(time.time()))
+        time.sleep(3600)
+
     def hurt(acc: ax.Accelerator) -> None:
-        one_into = acc._window.micro_step == 1
         step = acc.optimizer_steps
-        if acc.rank != 1 or not one_into:
+        if acc.rank != 1:
+            return
+        if acc.sync_gradients and step == args.hang_between:
+            hang()
+        if acc._window.micro_step != 1:  # one micro-step into a window
             return
         if step == args.kill_at and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.term_at and attempt > 0:
             os.kill(os.getpid(), signal.SIGTERM)
         if step == args.hang_at:
-            (run_dir / "hang_started").write_text(str(time.time()))
-            time.sleep(3600)
+            hang()
+
+    def before_save(acc: ax.Accelerator) -> None:
+        if acc.rank == 1 and acc.optimizer_steps == args.hang_before_save:
+            hang()
 
     train(acc, objects, epochs=args.epochs, save_at=range(2, 10**6, 2), run_dir=run_dir,
-          after_micro_step=hurt)
+          after_micro_step=hurt, at_boundary=before_save)
     acc.save_model(run_dir / "final", objects[0])
     event(run_dir, acc, f"attempt {attempt} finished at step {acc.optimizer_steps}")
     if args.reference:  # the same job never interrupted (saves a launch in the tests)

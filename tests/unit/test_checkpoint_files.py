@@ -63,10 +63,14 @@ def test_layout_metadata_and_keep_last(saved: tuple[Any, Path]) -> None:
         "precision": "fp32", "grad_accum_steps": 3, "checkpoint_format": "dcp"}
     assert meta["accumix_version"] == ax.__version__
     assert meta["state"]["window"]["index"] == 8 and meta["state"]["window"]["micro_step"] == 0
-    assert meta["state"]["schedulers"][0]["state"]["last_epoch"] == 9
+    assert meta["state"]["schedulers"] == [{"type": "StepLR", "last_epoch": 9,
+                                            "stepped_window": 8}]
+    schedulers = torch.load(run_dir / "step-9" / "schedulers.pt", weights_only=True)
+    assert [s["last_epoch"] for s in schedulers] == [9]
     files = {p.relative_to(run_dir / "step-9").as_posix(): p.stat().st_size
              for p in (run_dir / "step-9").rglob("*") if p.is_file() and p.name != "meta.json"}
-    assert meta["files"] == files and "rank-0.pt" in files and "model/.metadata" in files
+    assert meta["files"] == files
+    assert {"rank-0.pt", "schedulers.pt", "model/.metadata"} <= set(files)
     rng = torch.load(run_dir / "step-9" / "rank-0.pt", weights_only=True)
     assert set(rng) == {"python", "numpy", "torch", "cuda", "loaders"}
 
@@ -140,7 +144,8 @@ def test_different_model_is_refused(saved: tuple[Any, Path]) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
     acc.setup(model, opt, DataLoader(list(range(8)), batch_size=2), sched)
-    with pytest.raises(CheckpointError, match=r"step-9/model does not fit the set-up models"):
+    with pytest.raises(CheckpointError, match=r"step-9/model does not fit model 0: the model "
+                       r"has 2 key\(s\) \('2.bias', '2.weight'\) that the checkpoint lacks"):
         acc.load_state(run_dir)
 
 

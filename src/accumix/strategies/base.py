@@ -177,13 +177,15 @@ class Strategy:
         save_sharded(directory, models, optimizers)
 
     def load_checkpoint(
-        self, directory: str, models: list[nn.Module], optimizers: list[Optimizer]
+        self, directory: str, models: list[nn.Module], optimizers: list[Optimizer], *,
+        strict: bool = True,
     ) -> None:
         """Reads what ``save_checkpoint`` wrote into the set-up models and optimizers, in place
-        (collective); the world size may differ from the saving run's."""
+        (collective); the world size may differ from the saving run's. ``strict``: the models'
+        keys must be the checkpoint's (False: load the keys both have)."""
         from accumix.dcp_state import load_sharded
 
-        load_sharded(directory, models, optimizers)
+        load_sharded(directory, models, optimizers, strict=strict)
 
     @property
     def checkpoint_format(self) -> str:

@@ -294,7 +294,7 @@ class DeepSpeedStrategy(Strategy):
                                                 save_latest=False)
 
     def load_checkpoint(self, directory: str, models: list[nn.Module],
-                        optimizers: list[Optimizer]) -> None:
+                        optimizers: list[Optimizer], *, strict: bool = True) -> None:
         """Reads what ``save_checkpoint`` wrote through ``engine.load_checkpoint``, every file
         with ``torch.load(weights_only=True)`` (DeepSpeed's four state classes allowed).
 
@@ -311,7 +311,7 @@ class DeepSpeedStrategy(Strategy):
                     f"{directory}/{tag} holds DeepSpeed partitions of {saved_world} ranks, this "
                     f"run has {self.dp_world_size}; resume on {saved_world} ranks"
                 )
-            path, _ = engine.load_checkpoint(directory, tag=tag, load_module_strict=True,
+            path, _ = engine.load_checkpoint(directory, tag=tag, load_module_strict=strict,
                                              load_optimizer_states=True,
                                              load_lr_scheduler_states=False)
             if path is None:

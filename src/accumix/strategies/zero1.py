@@ -115,7 +115,8 @@ class ZeRO1Strategy(DDPStrategy):
                     lent.state.clear()
 
     def load_checkpoint(
-        self, directory: str, models: list[nn.Module], optimizers: list[Optimizer]
+        self, directory: str, models: list[nn.Module], optimizers: list[Optimizer], *,
+        strict: bool = True,
     ) -> None:
         """Reads every parameter's state into the user's optimizer, then each ZeRO optimizer
         keeps its own partition's (``ZeroRedundancyOptimizer.load_state_dict``)."""
@@ -123,7 +124,7 @@ class ZeRO1Strategy(DDPStrategy):
         for opt, source in zip(optimizers, plain, strict=True):
             if source is not opt:
                 source.state.clear()
-        super().load_checkpoint(directory, models, plain)
+        super().load_checkpoint(directory, models, plain, strict=strict)
         for opt, source in zip(optimizers, plain, strict=True):
             if source is opt:
                 continue
