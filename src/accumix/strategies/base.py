@@ -126,6 +126,13 @@ class Strategy:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
         return [p.grad for p in params if p.grad is not None]
 
+    def grad_marks(self, params: list[nn.Parameter]) -> list[Any]:
+        """A token per parameter that changes when a backward adds to its gradient: the
+        gradient and its version counter (autograd accumulates in place, or sets a new one).
+        Read before and after a backward when several optimizers are set up, to know which of
+        them it reached; a backend keeping gradients elsewhere during the window overrides it."""
+        return [None if p.grad is None else (p.grad, p.grad._version) for p in params]
+
     def finalize_gradients(
         self, params: list[nn.Parameter], factor: float | torch.Tensor
     ) -> torch.Tensor | None:
