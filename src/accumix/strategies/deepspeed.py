@@ -47,7 +47,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accumix.accumulation import rescale_grads_
-from accumix.errors import ConfigError, LossScaleError
+from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
 from accumix.strategies.base import Strategy
@@ -112,6 +112,8 @@ class DeepSpeedStrategy(Strategy):
         self._engines: list[Any] = []
         self._engine_of: dict[int, Any] = {}  # id(user's optimizer) -> engine
         self._scale_updates: dict[int, Callable[[], None]] = {}  # id(engine) -> deferred update
+        self._trained: dict[int, set[int]] = {}  # id(engine) -> ids of its optimizer's params
+        self._stepped: set[int] = set()  # ids of engines stepped since their last backward
         self._owns_group = False
 
     def connect(self, *, launch: Any, device: torch.device, policy: Policy,
@@ -151,6 +153,9 @@ class DeepSpeedStrategy(Strategy):
         )
         self._ensure_process_group()
         _skip_cpu_shm_build()
+        # Read before the engine takes the optimizer over (ZeRO-3 re-points its groups at flat
+        # partitions): a trainable parameter outside it has no fp32 master to save.
+        trained = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
         model = autocast_forward(model.to(self.device), self.policy, self.device)
         try:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers[0],
@@ -167,6 +172,7 @@ class DeepSpeedStrategy(Strategy):
         self._scale_updates[id(engine)] = _defer_scale_update(engine.optimizer)
         self._engines.append(engine)
         self._engine_of[id(optimizers[0])] = engine
+        self._trained[id(engine)] = trained
         return engine, optimizers
 
     def _ensure_process_group(self) -> None:
@@ -199,7 +205,9 @@ class DeepSpeedStrategy(Strategy):
 
     def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         # The façade already divided by K (or the item hint); the engine adds only its fp16 scale.
-        self._engine(model).backward(loss, scale_wrt_gas=False)
+        engine = self._engine(model)
+        engine.backward(loss, scale_wrt_gas=False)
+        self._stepped.discard(id(engine))
 
     def local_grads(self, params: Any = None) -> list[torch.Tensor]:
         """The gradient partitions this rank's engine holds after the window's last backward."""
@@ -240,9 +248,19 @@ class DeepSpeedStrategy(Strategy):
         # engine decides inside its step (and must step anyway to move its loss scale).
         engine = self._engine_of.get(id(optimizer))
         engine = self._engine(None) if engine is None else engine
+        if id(engine) in self._stepped:
+            # The engine's step consumed and cleared its gradient partitions; a second one
+            # fails inside DeepSpeed ("'NoneType' object is not iterable").
+            raise AccumixError(
+                "strategy='deepspeed' steps once per window: optimizer.step() was called again "
+                "at the same boundary without a backward in between; call it once per window"
+            )
         try:
             engine.step()
+            self._stepped.add(id(engine))
             self._scale_updates[id(engine)]()
+            if self.stage == 3:
+                _clear_stage3_grad_partitions(engine.optimizer)
         except Exception as exc:
             if "loss scale already at minimum" not in str(exc):
                 raise
@@ -263,13 +281,17 @@ class DeepSpeedStrategy(Strategy):
         weight (gathered across partitions: collective), buffers as the module holds them."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        module = self._engine(model).module
+        engine = self._engine(model)
+        module, trained = engine.module, self._trained.get(id(engine), set())
         gather: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        frozen = [p for p in module.parameters() if not p.requires_grad]
-        if self.stage == 3 and frozen:  # trainable ones come one at a time from their masters
+        # Frozen parameters, and trainable ones the optimizer does not hold (they have no fp32
+        # master: ZeRO-3's safe_get_full_fp32_param raises KeyError on them), come from the
+        # module; the optimizer's come one at a time from their masters.
+        plain = [p for p in module.parameters() if not p.requires_grad or id(p) not in trained]
+        if self.stage == 3 and plain:
             import deepspeed
 
-            gather = deepspeed.zero.GatheredParameters(frozen)
+            gather = deepspeed.zero.GatheredParameters(plain)
         with gather:  # ZeRO-3 re-partitions on exit: keep copies
             state = {k: v.detach().clone() if self.stage == 3 else v.detach()
                      for k, v in module.state_dict().items()}
@@ -277,7 +299,7 @@ class DeepSpeedStrategy(Strategy):
         for name, p in module.named_parameters(remove_duplicate=False):
             names[id(p)].append(name)
         for p in module.parameters():
-            full = safe_get_full_fp32_param(p) if p.requires_grad else None
+            full = safe_get_full_fp32_param(p) if p.requires_grad and id(p) in trained else None
             if full is not None:
                 for name in names[id(p)]:
                     state[name] = full.detach().reshape(p.ds_shape if hasattr(p, "ds_shape")
@@ -324,6 +346,8 @@ class DeepSpeedStrategy(Strategy):
                 engine.destroy()
         self._engines.clear()
         self._engine_of.clear()
+        self._trained.clear()
+        self._stepped.clear()
         # DeepSpeed caches a clone of the world group per process; the Accelerator may destroy
         # the world next, and an engine built later (a new Accelerator) must not use the stale
         # clone. deepspeed.comm.destroy_process_group does the same release.
@@ -358,6 +382,21 @@ def _partition_grads(optimizer: Any) -> list[torch.Tensor]:
         return list(optimizer.fp32_groups_gradient_flat_partition)
     raise ConfigError(f"strategy='deepspeed' does not know where {type(optimizer).__name__} "
                       "keeps its gradients; use ZeRO stage 1, 2 or 3 without offload")
+
+
+def _clear_stage3_grad_partitions(optimizer: Any) -> None:
+    """Zeroes ZeRO-3's gradient partitions after a step, so the next window starts from zero.
+
+    DeepSpeed's stage 3 (0.19.8, ``partition_grads``) copies a parameter's reduced gradient into
+    its partition on the window's first micro-step (``micro_step_id == 0``) and adds to it on
+    later ones, and never clears the partitions between windows: a parameter unused on the first
+    micro-step (a conditional branch, an MoE expert) gets its later gradients added onto the
+    previous window's. One memset of this rank's partition per window; a copy overwrites it
+    anyway where the first micro-step reaches the parameter.
+    """
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if isinstance(flat, torch.Tensor):
+        flat.zero_()
 
 
 def _skip_cpu_shm_build() -> None:

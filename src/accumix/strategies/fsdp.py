@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -186,10 +187,31 @@ class FSDPStrategy(Strategy):
     def clip_grad_norm_(
         self, params: list[nn.Parameter], max_norm: float, norm_type: float
     ) -> torch.Tensor:
+        if math.isinf(norm_type):
+            return self._clip_inf_norm(params, max_norm)
         # torch sums the shards' norms over the mesh for DTensor gradients; the result is a
         # replicated DTensor, returned as the plain tensor users expect.
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _clip_inf_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The infinity norm from the local shards, the max agreed over the ranks.
+
+        FSDP2 gives a rank an empty shard of every parameter whose dim 0 is smaller than the
+        world (a ``Linear(16, 1)`` bias on 2 ranks), and torch's ``_foreach_norm`` refuses the
+        infinity norm of an empty tensor on that rank alone (the others then wait in the
+        all-reduce forever); empty shards hold no maximum, so they are left out.
+        """
+        grads = [g for g in self.local_grads(params) if g.numel()]
+        if grads:
+            local = torch.stack([g.detach().abs().amax().float() for g in grads]).amax()
+        else:
+            local = torch.zeros((), device=self.device)
+        total = self.all_reduce(local.reshape(1), "max")[0]
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip coefficient
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
 
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
