@@ -449,9 +449,10 @@ class Accelerator:
         if stepped and self._counted_window != index:
             self._counted_window = index
             self.optimizer_steps += 1
+        # Applied or skipped, the step used this window's gradients: zero_grad may clear them.
+        state.step_taken = True
         if stepped:
             optimizer.stepped_window = index
-            state.stepped = True
         if not self._in_micro_step:  # stepped after the window's block: no later flush
             self._update_loss_scale()
         return finalizing.first_loss if finalizing is not None else None

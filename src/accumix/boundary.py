@@ -44,7 +44,7 @@ class WindowGrads:
     first_micro_step: int = 0  # micro-step of the first backward that reached them (1-based)
     fresh: bool = False  # a backward reached them since they were last finalized
     finalized: bool = False  # the boundary pass ran on them (and nothing was added since)
-    stepped: bool = False  # the optimizer stepped at this window's boundary
+    step_taken: bool = False  # its step ran at this boundary (applied or skipped on overflow)
     num_items: Number | torch.Tensor = 0  # items of the backward calls that reached them
     backwards: int = 0  # those backward calls
     found_inf: torch.Tensor | None = None  # the agreed overflow flag of their last finalize
@@ -52,7 +52,7 @@ class WindowGrads:
     def renew(self, window: int) -> None:
         """Opens the next window's record (lazily, at the first event of that window)."""
         if self.window != window:
-            self.window, self.first_micro_step, self.stepped = window, 0, False
+            self.window, self.first_micro_step, self.step_taken = window, 0, False
             self.clear()
 
     def clear(self) -> None:
@@ -65,7 +65,7 @@ class WindowGrads:
         window that has not reached its step. On the boundary micro-step, gradients that only
         this micro-step produced are cleared as torch clears them (a GAN zeroes D after G's
         backward went through it)."""
-        if self.window != window.index or self.stepped or not self.first_micro_step:
+        if self.window != window.index or self.step_taken or not self.first_micro_step:
             return False
         if not window.is_boundary:
             return True
@@ -100,7 +100,7 @@ def record_backward(optimizers: Sequence[AcceleratedOptimizer], window: Accumula
     for opt in optimizers:
         state = opt.window_grads
         state.renew(window.index)
-        if state.finalized and not state.stepped:
+        if state.finalized and not state.step_taken:
             # The boundary pass already multiplied these gradients; raw ones added now could
             # never be told apart from them, and the step would get a mixture.
             raise AccumixError(
