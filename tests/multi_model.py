@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import accumix as ax
 
@@ -247,7 +248,9 @@ def lbfgs_accumix(steps: int, strategy: str = "auto") -> tuple[list[torch.Tensor
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
-    return [copy.deepcopy(p.detach()) for p in model.parameters()]
+    """Copies of the parameters, whole (an FSDP shard is gathered: collective)."""
+    return [p.full_tensor().detach().clone() if isinstance(p, DTensor)
+            else copy.deepcopy(p.detach()) for p in model.parameters()]
 
 
 def max_diff(a: dict[str, list[torch.Tensor]] | list[torch.Tensor],

@@ -118,10 +118,10 @@ def record_backward(optimizers: Sequence[AcceleratedOptimizer], window: Accumula
                 else num_items)
 
 
-def _same(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a[0] is b[0] and a[1] == b[1]
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Marks (``Strategy.grad_marks``) alike: the same tensors at the same versions."""
+    return len(a) == len(b) and all(
+        x == y if isinstance(x, int) else x is y for x, y in zip(a, b, strict=True))
 
 
 def owners(optimizers: Sequence[AcceleratedOptimizer], params: list[torch.Tensor]

@@ -1,6 +1,6 @@
 """Issue 15 on 2 ranks (gloo): odd parameters under the sharding strategies, against plain
 PyTorch on the gathered batch. fsdp's infinity-norm clip with a parameter smaller than the
-world; DeepSpeed ZeRO-3 with a trainable parameter outside the optimizer (save_model) and with
+world, and two models' own item counts under fsdp; DeepSpeed ZeRO-3 with a trainable parameter outside the optimizer (save_model) and with
 one unused on a window's first micro-step; DeepSpeed's second step in one boundary.
 
 One spawned job runs every check (a spawn plus DeepSpeed's import costs seconds).
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 import accumix as ax
 from accumix.testing import spawn
+from tests import multi_model as mm
 from tests import workloads as w
 
 TOL = 1e-6
@@ -160,8 +161,23 @@ def _deepspeed_second_step() -> str:
     return "stepped twice"
 
 
+def _fsdp_several_models() -> dict[str, float]:
+    """Items 1 and 3 under fsdp: off the boundary FSDP2 keeps gradients on its unsharded
+    parameters, where the backward's reach must be read (two models' item counts, K=2)."""
+    two = mm.two_model_data(windows=2, micro=3, world=2, steps=2)
+    data = mm.gan_data(steps=3, batch=8)
+    ref = mm.gan_reference("g_first", data, world=2, items=False)
+    return {
+        "two_models": mm.max_diff(mm.two_models_reference(two, steps=2),
+                                  mm.two_models_accumix(two, steps=2, strategy="fsdp")),
+        "gan": mm.max_diff(ref, mm.gan_accumix("g_first", data, strategy="fsdp",
+                                               items=False)[0]),
+    }
+
+
 def _all_checks(out_dir: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"fsdp_inf_clip": _fsdp_inf_clip()}
+    out: dict[str, Any] = {"fsdp_inf_clip": _fsdp_inf_clip(),
+                           "fsdp_several_models": _fsdp_several_models()}
     if HAS_DEEPSPEED:
         out["zero3_unused_first"] = _zero3_unused_first(3)
         out["zero2_unused_first"] = _zero3_unused_first(2)
@@ -175,6 +191,8 @@ def test_odd_parameters_two_ranks(tmp_path: Path) -> None:
     for rank, r in enumerate(results):
         clip = r["fsdp_inf_clip"]
         assert clip["norms"] <= TOL and clip["params"] <= TOL, (rank, clip)
+        several = r["fsdp_several_models"]
+        assert max(several.values()) <= TOL, (rank, several)
         if not HAS_DEEPSPEED:
             continue
         assert r["zero3_unused_first"] <= TOL, (rank, r["zero3_unused_first"])

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from accumix.errors import ConfigError
 from accumix.memory import repeated_blocks
-from accumix.strategies.base import Strategy
+from accumix.strategies.base import Strategy, grad_mark
 
 SHARDINGS = ("full", "grad_op")
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
@@ -173,6 +173,26 @@ class FSDPStrategy(Strategy):
         if not units or self.sync_each_microstep:
             return contextlib.nullcontext()
         return _gradient_sync_off(units)
+
+    def grad_marks(self, params: list[nn.Parameter]) -> list[Any]:
+        # Off the boundary FSDP2 accumulates into the *unsharded* parameters' gradients (or an
+        # upcast copy of them), and the sharded ones the optimizer holds change only at the
+        # boundary's reduce-scatter: a backward is seen wherever it landed.
+        owners = {id(fp.sharded_param): fp for units in self._units.values() for unit in units
+                  for group in unit._get_fsdp_state()._fsdp_param_groups
+                  for fp in group.fsdp_params}
+        marks = []
+        for p in params:
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            fp = owners.get(id(p))
+            if fp is None:
+                marks.append(grad_mark(grad))
+                continue
+            unsharded = getattr(fp, "_unsharded_param", None)
+            marks.append((*grad_mark(grad),
+                          *grad_mark(None if unsharded is None else unsharded.grad),
+                          *grad_mark(fp.unsharded_accumulated_grad)))
+        return marks
 
     def local_grads(self, params: Any) -> list[torch.Tensor]:
         # The rank's own shard: a DTensor's local tensor shares its storage, so rescaling it in
