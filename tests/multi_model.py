@@ -73,30 +73,23 @@ def gan_reference(order: str, data: list[Any], world: int, items: bool
     opt_d = torch.optim.SGD(disc.parameters(), lr=LR, momentum=MOMENTUM)
     for batch in data:
         shards = [shard(batch, r, world) for r in range(world)]
-
-        def step_g() -> list[torch.Tensor]:
+        if order == "g_first":
             opt_g.zero_grad()
             parts = [g_loss(gen, disc, noise, wt) for _, noise, wt in shards]
             _reduce([(s, n) for s, n, _ in parts], items).backward()
             opt_g.step()
-            return [f for _, _, f in parts]
-
-        def step_d(fakes: list[torch.Tensor]) -> None:
-            opt_d.zero_grad()
-            parts = [d_loss(disc, real, f, wt) for (real, _, wt), f in zip(shards, fakes,
-                                                                            strict=True)]
-            _reduce(parts, items).backward()
-            opt_d.step()
-
-        if order == "g_first":
-            step_d(step_g())
+            fakes = [f for _, _, f in parts]
         else:
             fakes = [gen(noise) for _, noise, _ in shards]
-            step_d(fakes)
+        opt_d.zero_grad()
+        _reduce([d_loss(disc, real, f, wt) for (real, _, wt), f in zip(shards, fakes, strict=True)],
+                items).backward()
+        opt_d.step()
+        if order == "d_first":
             opt_g.zero_grad()
-            parts = [(((disc(f).squeeze(-1) - 1.0) ** 2 * wt).sum(), wt.sum())
-                     for f, (_, _, wt) in zip(fakes, shards, strict=True)]
-            _reduce(parts, items).backward()
+            parts2 = [(((disc(f).squeeze(-1) - 1.0) ** 2 * wt).sum(), wt.sum())
+                      for f, (_, _, wt) in zip(fakes, shards, strict=True)]
+            _reduce(parts2, items).backward()
             opt_g.step()
     return {"G": _params(gen), "D": _params(disc)}
 

@@ -1,7 +1,8 @@
 """Issue 15 on 2 ranks (gloo): odd parameters under the sharding strategies, against plain
-PyTorch on the gathered batch. fsdp's infinity-norm clip with a parameter smaller than the
-world, and two models' own item counts under fsdp; DeepSpeed ZeRO-3 with a trainable parameter outside the optimizer (save_model) and with
-one unused on a window's first micro-step; DeepSpeed's second step in one boundary.
+PyTorch on the gathered batch. fsdp: the infinity-norm clip with a parameter smaller than the
+world, two models' own item counts. DeepSpeed ZeRO-3: save_model with a trainable parameter
+outside the optimizer, a parameter unused on a window's first micro-step; DeepSpeed's second
+step in one boundary.
 
 One spawned job runs every check (a spawn plus DeepSpeed's import costs seconds).
 """
