@@ -374,25 +374,7 @@ class Accelerator:
                                  window, num_items)
 
     def _finalize(self, optimizers: list[AcceleratedOptimizer]) -> None:
-        """Unscale + normalise + non-finite check in one pass, agreed, for each optimizer whose
-        gradients got a backward since their last finalize (each with its own item count)."""
-        scaler = self.strategy.scaler
-        for opt in optimizers:
-            state = opt.window_grads
-            if state.window != self._window.index or not state.fresh:
-                continue
-            factor = self._window.boundary_factor(
-                num_items=state.num_items,
-                backwards=state.backwards,
-                loss_scale=scaler.scale,
-                grad_divisor=self.strategy.grad_divisor,
-                all_reduce=self.strategy.all_reduce,
-                dynamic_scale=scaler.enabled,
-                device=self.device,
-            )
-            state.found_inf = self.strategy.finalize_gradients(
-                list(params_of([opt.optimizer])), factor)
-            state.fresh, state.finalized = False, True
+        boundary.finalize(self, optimizers)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, parameters: Any = None
@@ -424,38 +406,7 @@ class Accelerator:
         return list(params_of(o.optimizer for o in self._optimizers))
 
     def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
-        if closure is not None:
-            boundary.check_closure(self.grad_accum_steps, self.strategy.scaler.enabled)
-        if not self.sync_gradients:
-            return None
-        state = optimizer.window_grads
-        state.renew(self._window.index)
-        finalizing: boundary.FinalizingClosure | None = None
-        if closure is None:
-            self._finalize([optimizer])
-        else:  # each evaluation's gradients are finalized before the optimizer reads them
-            finalizing = boundary.FinalizingClosure(closure, lambda: self._finalize([optimizer]))
-        found_inf = state.found_inf
-        # fp16 only: one host sync to read the agreed overflow flag (GradScaler does too).
-        skip = found_inf is not None and bool(found_inf.item())
-        stepped = self.strategy.optimizer_step(optimizer.optimizer, skip=skip,
-                                               closure=finalizing)
-        index = self._window.index
-        first = self._decided_window != index
-        self._decided_window = index
-        # The strategy's answer: an engine may find the overflow in its own step.
-        self.step_was_skipped = (not stepped) or (not first and self.step_was_skipped)
-        self._window_found_inf = skip or (not first and bool(self._window_found_inf))
-        if stepped and self._counted_window != index:
-            self._counted_window = index
-            self.optimizer_steps += 1
-        # Applied or skipped, the step used this window's gradients: zero_grad may clear them.
-        state.step_taken = True
-        if stepped:
-            optimizer.stepped_window = index
-        if not self._in_micro_step:  # stepped after the window's block: no later flush
-            self._update_loss_scale()
-        return finalizing.first_loss if finalizing is not None else None
+        return boundary.optimizer_step(self, optimizer, closure)
 
     def _update_loss_scale(self) -> None:
         """Once per window, after all of its steps: every backward and every finalize of a

@@ -29,6 +29,7 @@ from accumix.errors import AccumixError, ConfigError
 from accumix.strategies.base import params_of
 
 if TYPE_CHECKING:
+    from accumix.accelerator import Accelerator
     from accumix.accumulation import AccumulationWindow
     from accumix.optim import AcceleratedOptimizer
     from accumix.strategies.base import Strategy
@@ -177,3 +178,63 @@ class FinalizingClosure:
         if not self._called:
             self.first_loss, self._called = loss, True
         return loss
+
+
+def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> None:
+    """Unscale + normalise + non-finite check in one pass, agreed, for each optimizer whose
+    gradients got a backward since their last finalize (each with its own item count)."""
+    scaler, strategy, window = acc.strategy.scaler, acc.strategy, acc._window
+    for opt in optimizers:
+        state = opt.window_grads
+        if state.window != window.index or not state.fresh:
+            continue
+        factor = window.boundary_factor(
+            num_items=state.num_items,
+            backwards=state.backwards,
+            loss_scale=scaler.scale,
+            grad_divisor=strategy.grad_divisor,
+            all_reduce=strategy.all_reduce,
+            dynamic_scale=scaler.enabled,
+            device=acc.device,
+        )
+        state.found_inf = strategy.finalize_gradients(list(params_of([opt.optimizer])), factor)
+        state.fresh, state.finalized = False, True
+
+
+def optimizer_step(acc: Accelerator, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
+    """One optimizer's step at the boundary: its own gradients finalized (each closure
+    evaluation's), its own overflow decision; the window's counters and overflow recorded.
+
+    Returns:
+        The closure's first loss (what torch's ``step(closure)`` returns), else None.
+    """
+    if closure is not None:
+        check_closure(acc.grad_accum_steps, acc.strategy.scaler.enabled)
+    if not acc.sync_gradients:
+        return None
+    state = optimizer.window_grads
+    state.renew(acc._window.index)
+    finalizing: FinalizingClosure | None = None
+    if closure is None:
+        finalize(acc, [optimizer])
+    else:  # each evaluation's gradients are finalized before the optimizer reads them
+        finalizing = FinalizingClosure(closure, lambda: finalize(acc, [optimizer]))
+    # fp16 only: one host sync to read the agreed overflow flag (GradScaler does too).
+    skip = state.found_inf is not None and bool(state.found_inf.item())
+    stepped = acc.strategy.optimizer_step(optimizer.optimizer, skip=skip, closure=finalizing)
+    index = acc._window.index
+    first = acc._decided_window != index
+    acc._decided_window = index
+    # The strategy's answer: an engine may find the overflow in its own step.
+    acc.step_was_skipped = (not stepped) or (not first and acc.step_was_skipped)
+    acc._window_found_inf = skip or (not first and bool(acc._window_found_inf))
+    if stepped and acc._counted_window != index:
+        acc._counted_window = index
+        acc.optimizer_steps += 1
+    # Applied or skipped, the step used this window's gradients: zero_grad may clear them.
+    state.step_taken = True
+    if stepped:
+        optimizer.stepped_window = index
+    if not acc._in_micro_step:  # stepped after the window's block: no later flush
+        acc._update_loss_scale()
+    return finalizing.first_loss if finalizing is not None else None
