@@ -26,7 +26,16 @@ façade:
   ``acc.loss_scale`` reads the engine's scale (DeepSpeed's hysteresis is the one DESIGN.md
   specifies). DeepSpeed's ZeRO step (0.19) moves the loss scale *before* it unscales, so a
   step that grows the scale would apply half the gradient; the strategy defers the engine's
-  scale update to after its step (``_defer_scale_update``).
+  scale update to after its step (``_defer_scale_update``). The engine steps once per window:
+  a second ``optimizer.step()`` at one boundary is an ``AccumixError`` (inside DeepSpeed it is
+  a ``TypeError``);
+* ZeRO-3's gradient partitions are zeroed after each step: DeepSpeed 0.19.8 copies a reduced
+  gradient into its partition on a window's first micro-step and adds on later ones without
+  clearing between windows, so a parameter unused on the first micro-step got the previous
+  window's leftover added (``_clear_stage3_grad_partitions``);
+* ``full_state_dict``: trainable parameters the optimizer does not hold have no fp32 master
+  (ZeRO-3's ``safe_get_full_fp32_param`` raises ``KeyError``): they come from the module, as
+  frozen ones do.
 
 Not supported: ``offload_optimizer`` (the gradients then live in DeepSpeed's CPU buffers) and
 more than one model per strategy (one engine owns one model and one optimizer).
