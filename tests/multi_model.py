@@ -240,6 +240,35 @@ def lbfgs_accumix(steps: int, strategy: str = "auto") -> tuple[list[torch.Tensor
     return _params(acc.unwrap(model)), losses
 
 
+# -- fp16 item mode: the first window's hint (item 8) ------------------------------------------
+def fp16_item_run(items: bool, strategy: str = "auto") -> tuple[list[bool], list[torch.Tensor]]:
+    """K=1 under fp16-mixed, 64 items per micro-batch with errors near 0.3: the bias gradient
+    of the summed loss times 2**16 overflows fp16, that of the mean (or of the sum divided by
+    the count) does not. On 2 ranks rank 1 has 48 items: the first count is agreed."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, 8, generator=g)
+    y = 0.3 + 0.05 * torch.randn(3, 64, 1, generator=g)
+    model = nn.Linear(8, 1)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    acc = ax.Accelerator(strategy=strategy, precision="fp16-mixed", grad_accum_steps=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = acc.setup(model, opt)
+    skipped = []
+    n = 64 - 16 * acc.rank
+    for xb, yb in zip(x[:, :n], y[:, :n], strict=True):
+        with acc.accumulate():
+            err = (model(xb).float() - yb) ** 2
+            if items:
+                acc.backward(err.sum(), num_items=err.numel())
+            else:
+                acc.backward(err.mean())
+            opt.step()
+            opt.zero_grad()
+        skipped.append(acc.step_was_skipped)
+    return skipped, [p.detach().clone() for p in acc.unwrap(model).parameters()]
+
+
 def _params(model: nn.Module) -> list[torch.Tensor]:
     """Copies of the parameters, whole (an FSDP shard is gathered: collective)."""
     return [p.full_tensor().detach().clone() if isinstance(p, DTensor)

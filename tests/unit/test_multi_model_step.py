@@ -70,39 +70,12 @@ def test_closure_with_accumulation_or_fp16_is_refused() -> None:
         opt.step(lambda: None)
 
 
-def _fp16_item_run(items: bool) -> tuple[list[bool], list[torch.Tensor]]:
-    """K=1 under fp16-mixed, 64 items per micro-batch with errors near 0.3: the bias gradient
-    of the summed loss times 2**16 overflows fp16, that of the mean (or of the sum divided by
-    the count) does not."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 64, 8, generator=g)
-    y = 0.3 + 0.05 * torch.randn(3, 64, 1, generator=g)
-    model = nn.Linear(8, 1)
-    nn.init.zeros_(model.weight)
-    nn.init.zeros_(model.bias)
-    acc = ax.Accelerator(precision="fp16-mixed", grad_accum_steps=1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, opt = acc.setup(model, opt)
-    skipped = []
-    for xb, yb in zip(x, y, strict=True):
-        with acc.accumulate():
-            err = (model(xb).float() - yb) ** 2
-            if items:
-                acc.backward(err.sum(), num_items=err.numel())
-            else:
-                acc.backward(err.mean())
-            opt.step()
-            opt.zero_grad()
-        skipped.append(acc.step_was_skipped)
-    return skipped, [p.detach().clone() for p in acc.unwrap(model).parameters()]
-
-
 @pytest.mark.filterwarnings("ignore:precision='fp16-mixed' on this CPU")
 def test_fp16_item_mode_first_window_divides_by_its_first_count() -> None:
     """Item 8: the first window's hint was 1, so the summed loss overflowed and the first step
     was skipped where mean mode on the same data is not; now both step alike."""
-    mean_skipped, mean_params = _fp16_item_run(items=False)
-    item_skipped, item_params = _fp16_item_run(items=True)
+    mean_skipped, mean_params = mm.fp16_item_run(items=False)
+    item_skipped, item_params = mm.fp16_item_run(items=True)
     assert mean_skipped == [False, False, False]
     assert item_skipped == [False, False, False]
     assert mm.max_diff(mean_params, item_params) <= 1e-3
