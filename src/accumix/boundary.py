@@ -106,8 +106,8 @@ def record_backward(optimizers: Sequence[AcceleratedOptimizer], window: Accumula
             # never be told apart from them, and the step would get a mixture.
             raise AccumixError(
                 "acc.backward() reached the parameters of an optimizer whose gradients were "
-                "already finalized by clip_grad_norm_() in this step; call clip_grad_norm_() "
-                "after the last backward, or zero_grad() that optimizer before this backward"
+                "already finalized in this step (by clip_grad_norm_() or a closure's previous "
+                "evaluation); clip after the last backward, or zero_grad() that optimizer first"
             )
         if not state.first_micro_step:
             state.first_micro_step = window.micro_step
