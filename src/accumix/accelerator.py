@@ -6,9 +6,14 @@ The step, as the user's loop drives it (each call a no-op where it has nothing t
         acc.backward(loss)          # loss x scale / K (or / items hint) -> strategy.backward
         acc.clip_grad_norm_(1.0)    # boundary: finalize (unscale + normalise + inf check, one
                                     #   pass), agree on overflow, clip the true gradients
-        optimizer.step()            # boundary: step or skip, update the loss scale
+        optimizer.step()            # boundary: finalize this optimizer's gradients if a
+                                    #   backward reached them since, step or skip
         scheduler.step()            # only if the optimizer really stepped
         optimizer.zero_grad()       # only once the window's gradients have been used
+                                    # (block exit at the boundary: update the loss scale)
+
+With several optimizers each keeps its own window (``boundary.py``): the backward calls that
+reached its parameters, their item counts, its finalize and its step.
 """
 
 from __future__ import annotations
