@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from accumix.errors import AccumixError, ConfigError, LossScaleError
+from accumix.errors import AccumixError, CheckpointError, ConfigError, LossScaleError
 from accumix.precision.loss_scale import DynamicLossScale, NoLossScale
 
 __version__ = "0.1.0"
@@ -40,6 +40,7 @@ _LAZY.update(dict.fromkeys(_TRAINER, "accumix.trainer"))
 __all__ = [
     "AccumixError",
     "Accelerator",
+    "CheckpointError",
     "ConfigError",
     "DDPStrategy",
     "DeepSpeedStrategy",
