@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from accumix.errors import AccumixError, ConfigError, LossScaleError
+from accumix.errors import AccumixError, CompileError, ConfigError, LossScaleError
 from accumix.precision.loss_scale import DynamicLossScale, NoLossScale
 
 __version__ = "0.1.0"
@@ -39,6 +39,7 @@ _LAZY.update(dict.fromkeys(_TRAINER, "accumix.trainer"))
 
 __all__ = [
     "AccumixError",
+    "CompileError",
     "Accelerator",
     "ConfigError",
     "DDPStrategy",
