@@ -6,9 +6,14 @@ The step, as the user's loop drives it (each call a no-op where it has nothing t
         acc.backward(loss)          # loss x scale / K (or / items hint) -> strategy.backward
         acc.clip_grad_norm_(1.0)    # boundary: finalize (unscale + normalise + inf check, one
                                     #   pass), agree on overflow, clip the true gradients
-        optimizer.step()            # boundary: step or skip, update the loss scale
+        optimizer.step()            # boundary: finalize this optimizer's gradients if a
+                                    #   backward reached them since, step or skip
         scheduler.step()            # only if the optimizer really stepped
         optimizer.zero_grad()       # only once the window's gradients have been used
+                                    # (block exit at the boundary: update the loss scale)
+
+With several optimizers each keeps its own window (``boundary.py``): the backward calls that
+reached its parameters, their item counts, its finalize and its step.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import checkpoint, fault
+from accumix import boundary, checkpoint, fault
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
 from accumix.data import AcceleratedDataLoader
@@ -67,8 +72,11 @@ class _MicroStep:
     def __exit__(self, *exc: Any) -> None:
         while self.stack:
             self.stack.pop().__exit__(*exc)
-        self.acc._in_micro_step = False
-        self.acc._window.end()
+        acc = self.acc
+        acc._in_micro_step = False
+        if acc._window.is_boundary:
+            acc._update_loss_scale()
+        acc._window.end()
 
 
 class Accelerator:
@@ -149,9 +157,9 @@ class Accelerator:
         self._set_up: set[int] = set()
         self._in_micro_step = False
         self._micro_step = _MicroStep(self, ())
-        self._finalized = False
-        self._skip: bool | None = None
-        self._found_inf: torch.Tensor | None = None
+        self._decided_window = -1  # the window whose first optimizer step has been taken
+        self._counted_window = -1  # the window counted in optimizer_steps
+        self._window_found_inf: bool | None = None  # this window's overflow, once decided
         self.optimizer_steps = 0
         self.step_was_skipped = False
         self._check_same_config()
@@ -353,8 +361,6 @@ class Accelerator:
         if self._preemption is not None and not self._loaders:
             self._preemption.at_batch()  # no set-up loader calls it between batches
         self._in_micro_step = True
-        if self._window.micro_step == 0:
-            self._finalized, self._skip, self._found_inf = False, None, None
         self._window.begin()
 
     def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None
@@ -364,7 +370,8 @@ class Accelerator:
         Args:
             loss: the micro-batch's mean loss; or, with ``num_items``, its summed loss.
             num_items: the items (tokens, samples) ``loss`` sums over. Gradients then equal the
-                mean over all items of the window on all ranks, however they were distributed.
+                mean over all items of the window on all ranks, however they were distributed;
+                with several models, each optimizer's over the backward calls that reached it.
 
         Raises:
             AccumixError: called outside ``acc.accumulate()``.
@@ -373,28 +380,18 @@ class Accelerator:
             raise AccumixError(
                 "acc.backward() must be called inside `with acc.accumulate():`"
             )
-        multiplier = self._window.loss_multiplier(num_items) * self.strategy.scaler.scale
+        window, scaler = self._window, self.strategy.scaler
+        if window.needs_first_hint(num_items, scaler.enabled):
+            window.set_first_hint(boundary.agreed_count(num_items, self.strategy, self.device))
+        multiplier = window.loss_multiplier(num_items) * scaler.scale
+        before = boundary.marks_before(self._optimizers, self.strategy)
         self.strategy.backward(loss * multiplier if multiplier != 1.0 else loss,
                                self._models[0] if self._models else None)
-        for opt in self._optimizers:
-            opt.pending = True
+        boundary.record_backward(boundary.reached(self._optimizers, before, self.strategy),
+                                 window, num_items)
 
-    def _finalize(self) -> None:
-        """Once per window: unscale + normalise + non-finite check in one pass, agreed."""
-        if self._finalized:
-            return
-        self._finalized = True
-        scaler = self.strategy.scaler
-        factor = self._window.boundary_factor(
-            loss_scale=scaler.scale,
-            grad_divisor=self.strategy.grad_divisor,
-            all_reduce=self.strategy.all_reduce,
-            dynamic_scale=scaler.enabled,
-            device=self.device,
-        )
-        self._found_inf = self.strategy.finalize_gradients(
-            self._trained_params(), factor
-        )
+    def _finalize(self, optimizers: list[AcceleratedOptimizer]) -> None:
+        boundary.finalize(self, optimizers)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, parameters: Any = None
@@ -413,32 +410,27 @@ class Accelerator:
             raise ConfigError(f"clip_grad_norm_(max_norm={max_norm!r}) needs a number > 0")
         if not self.sync_gradients:
             return None
-        self._finalize()
-        params = list(parameters) if parameters is not None else self._trained_params()
+        if parameters is None:
+            self._finalize(self._optimizers)
+            params = self._trained_params()
+        else:
+            params = list(parameters)
+            self._finalize(boundary.owners(self._optimizers, params))
         return self.strategy.clip_grad_norm_(params, float(max_norm), float(norm_type))
 
     def _trained_params(self) -> list[nn.Parameter]:
         """Every set-up optimizer's parameters, once each (read anew: groups may change)."""
         return list(params_of(o.optimizer for o in self._optimizers))
 
-    def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> None:
-        if not self.sync_gradients:
-            return
-        decides = self._skip is None  # the first optimizer of this boundary decides for all
-        if decides:
-            self._finalize()
-            found_inf = self._found_inf
-            # fp16 only: one host sync to read the agreed overflow flag (GradScaler does too).
-            self._skip = found_inf is not None and bool(found_inf.item())
-            self.strategy.scaler.update(self._skip)
-        stepped = self.strategy.optimizer_step(optimizer.optimizer, skip=self._skip,
-                                               closure=closure)
-        if decides:  # the strategy's answer: an engine may find the overflow in its own step
-            self.step_was_skipped = not stepped
-            self.optimizer_steps += bool(stepped)
-        optimizer.pending = False
-        if stepped:
-            optimizer.stepped_window = self._window.index
+    def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
+        return boundary.optimizer_step(self, optimizer, closure)
+
+    def _update_loss_scale(self) -> None:
+        """Once per window, after all of its steps: every backward and every finalize of a
+        window use one scale, however many optimizers step and in whichever order."""
+        if self._window_found_inf is not None:
+            self.strategy.scaler.update(self._window_found_inf)
+            self._window_found_inf = None
 
     # -- collectives and helpers ---------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

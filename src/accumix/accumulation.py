@@ -42,8 +42,12 @@ class AccumulationWindow:
         self.mode: str | None = None  # "mean" | "items", fixed per window
         self.num_items: Number | torch.Tensor = 0
         # Item mode under fp16: the loss is divided by the last window's mean item count per
-        # micro-step so a summed loss does not overflow fp16; undone exactly at the boundary.
-        self.items_hint = 1.0
+        # backward so a summed loss does not overflow fp16; undone exactly at the boundary.
+        # ``items_hint`` is the next window's (0: no count seen yet, then the first backward's
+        # count is used: issue 15 item 8); ``window_hint`` stays fixed within a window, since
+        # every backward and every finalize of the window must use the same one.
+        self.items_hint = 0.0
+        self.window_hint = 1.0
 
     def begin(self) -> bool:
         """Starts a micro-step; returns whether it ends the window."""
@@ -51,6 +55,7 @@ class AccumulationWindow:
             self.index += 1
             self.mode = None
             self.num_items = 0
+            self.window_hint = self.items_hint or 1.0
         self.micro_step += 1
         self.is_boundary = self.micro_step >= self.grad_accum_steps or self.end_of_data
         return self.is_boundary
@@ -80,7 +85,18 @@ class AccumulationWindow:
         self.num_items = (torch.tensor(items, dtype=torch.float64)
                           if state["num_items_is_tensor"] else items)
         self.items_hint = float(state["items_hint"])
+        self.window_hint = self.items_hint or 1.0
         self.is_boundary, self.end_of_data = bool(state["is_boundary"]), False
+
+    def needs_first_hint(self, num_items: Number | torch.Tensor | None, dynamic_scale: bool
+                         ) -> bool:
+        """Whether this backward is fp16's first item-weighted one: no earlier window gave a
+        count to divide summed losses by, so the caller agrees one from this backward's."""
+        return dynamic_scale and num_items is not None and not self.items_hint
+
+    def set_first_hint(self, items: float) -> None:
+        """The first window's hint (the same on every rank: the caller agrees it)."""
+        self.items_hint = self.window_hint = max(float(items), 1.0)
 
     def loss_multiplier(self, num_items: Number | torch.Tensor | None) -> float:
         """Records one backward; returns what its loss is multiplied by before the loss scale."""
@@ -97,15 +113,18 @@ class AccumulationWindow:
         if isinstance(num_items, torch.Tensor):
             num_items = num_items.detach().to(torch.float64)
         self.num_items = self.num_items + num_items
-        return 1.0 / self.items_hint
+        return 1.0 / self.window_hint
 
     def boundary_factor(
-        self, *, loss_scale: float, grad_divisor: int, all_reduce, dynamic_scale: bool,
-        device: torch.device,
+        self, *, num_items: Number | torch.Tensor, backwards: int, loss_scale: float,
+        grad_divisor: int, all_reduce, dynamic_scale: bool, device: torch.device,
     ) -> float | torch.Tensor:
-        """What the summed gradients are multiplied by at the boundary.
+        """What one optimizer's summed gradients are multiplied by at the boundary.
 
         Args:
+            num_items: the items of the backward calls that reached these gradients (item
+                mode), on this rank.
+            backwards: how many backward calls reached them (the next fp16 hint's divisor).
             loss_scale: the scale the losses of this window were multiplied by.
             grad_divisor: the number of ranks the backend averaged gradients over.
             all_reduce: ``fn(tensor, op) -> tensor`` summing over data-parallel ranks.
@@ -117,16 +136,16 @@ class AccumulationWindow:
         """
         if self.mode != "items":
             return self.grad_accum_steps / (self.micro_step * loss_scale)
-        items = self.num_items
+        items = num_items
         if grad_divisor > 1:
             if isinstance(items, torch.Tensor):
                 items = items.to(device=device, copy=True)
             else:
                 items = torch.tensor(float(items), dtype=torch.float64, device=device)
             items = all_reduce(items, "sum")
-        hint = self.items_hint
+        hint = self.window_hint
         if dynamic_scale:  # the host sync rides on the found_inf read that fp16 does anyway
-            self.items_hint = max(float(items) / (grad_divisor * self.micro_step), 1.0)
+            self.items_hint = max(float(items) / (grad_divisor * max(backwards, 1)), 1.0)
         if isinstance(items, torch.Tensor):
             # All padding gives zero gradients: any finite factor is right, inf would poison.
             return (grad_divisor * hint / loss_scale) / items.clamp_min(1e-30)

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -200,8 +201,25 @@ def start_watchdog(acc: Accelerator, timeout: float) -> Watchdog | None:
         except Exception:  # noqa: BLE001 - no diagnosis then, but training is unaffected
             return None
         _install_excepthook()
+        atexit.register(_stop_at_exit)
     _watchdog.watch(acc)
     return _watchdog
+
+
+def _stop_at_exit() -> None:
+    """Stops the heartbeat thread and waits for it before the interpreter finalizes.
+
+    A daemon thread still inside a TCPStore call when Python finalizes is ended by
+    ``pthread_exit``, whose forced unwind through torch's C++ frames calls ``std::terminate``:
+    "terminate called without an active exception" and SIGABRT after a job that finished (seen
+    after a pre-emption save's ``SystemExit(0)``, which skips ``acc.end()``).
+    """
+    watchdog = _watchdog
+    if watchdog is None:
+        return
+    if not watchdog._stop.is_set():
+        watchdog.finish()  # a clean exit: the peers must not count this rank as dead
+    watchdog._thread.join(timeout=2 * watchdog.interval + 1.0)
 
 
 def _install_excepthook() -> None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
 
+from accumix.boundary import WindowGrads
+
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
 
@@ -28,8 +30,14 @@ class AcceleratedOptimizer(Optimizer):
         # Optimizer.__init__ is skipped on purpose: state and groups stay the inner optimizer's.
         self.optimizer = optimizer
         self._accelerator = accelerator
-        self.pending = False  # holds gradients of a window that has not reached its step
+        self.window_grads = WindowGrads()  # what its gradients hold in the current window
         self.stepped_window = -1  # index of the last window whose step really ran
+
+    @property
+    def pending(self) -> bool:
+        """Whether its gradients hold micro-steps of a window that has not reached its step
+        (``zero_grad`` then keeps them)."""
+        return self.window_grads.keeps(self._accelerator._window)
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -52,13 +60,19 @@ class AcceleratedOptimizer(Optimizer):
         self.optimizer.defaults = value
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """At a boundary: the Accelerator's step (unscale, overflow check, clip-aware step)."""
-        self._accelerator._optimizer_step(self, closure)
+        """At a boundary: the Accelerator's step (unscale, overflow check, clip-aware step).
+
+        With a closure (grad_accum_steps=1 only), each evaluation's gradients are finalized
+        before the optimizer reads them, and the first evaluation's loss is returned, as torch
+        returns it. Off the boundary: nothing, and None.
+        """
+        return self._accelerator._optimizer_step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients, unless they hold a window that has not been stepped yet."""
         if not self.pending:
             self._accelerator.strategy.zero_grad(self.optimizer, set_to_none)
+            self.window_grads.clear()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)

@@ -63,8 +63,8 @@ def test_boundary_factor_mean_mode_short_window() -> None:
         win.begin()
         assert win.loss_multiplier(None) == 0.25
     # two of four micro-steps: the sum of loss/4 is corrected to the mean over 2, unscaled.
-    factor = win.boundary_factor(loss_scale=8.0, grad_divisor=1, all_reduce=None,
-                                 dynamic_scale=True, device=None)
+    factor = win.boundary_factor(num_items=0, backwards=2, loss_scale=8.0, grad_divisor=1,
+                                 all_reduce=None, dynamic_scale=True, device=None)
     assert factor == 4 / (2 * 8.0)
 
 
@@ -73,8 +73,8 @@ def test_boundary_factor_item_mode_and_fp16_hint() -> None:
     for n in (30, 10):
         win.begin()
         assert win.loss_multiplier(n) == 1.0
-    f = win.boundary_factor(loss_scale=4.0, grad_divisor=1, all_reduce=None,
-                            dynamic_scale=True, device=None)
+    f = win.boundary_factor(num_items=win.num_items, backwards=2, loss_scale=4.0,
+                            grad_divisor=1, all_reduce=None, dynamic_scale=True, device=None)
     assert f == 1 / (4.0 * 40)
     assert win.items_hint == 20.0  # next window's losses are divided by the mean count
     win.end()

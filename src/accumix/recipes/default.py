@@ -221,6 +221,27 @@ def text_files(data: DataConfig) -> list[Path]:
     return files
 
 
+def datasets(config: TrainConfig) -> tuple[list[Path], list[Path], ByteDocumentDataset,
+                                           ByteDocumentDataset]:
+    """The recipe's files, split by whole files, and their documents: (train files, held-out
+    files, train, validation); the same for both backends."""
+    files = text_files(config.data)
+    train_files, val_files = split_files(files, config.data.val_fraction, seed=config.data.seed)
+    block = config.model.block_size
+    train = ByteDocumentDataset(train_files, block, max_bytes=config.data.max_train_bytes)
+    val = ByteDocumentDataset(val_files, block, max_bytes=config.data.max_val_bytes)
+    return train_files, val_files, train, val
+
+
+def total_steps(config: TrainConfig, documents: int, world_size: int, grad_accum_steps: int
+                ) -> int:
+    """The step the schedule decays to: ``max_steps``, or ``max_epochs`` worth of windows."""
+    per_rank_batches = math.ceil(math.ceil(documents / world_size) / config.micro_batch_size)
+    steps_per_epoch = math.ceil(per_rank_batches / grad_accum_steps)
+    return min(s for s in (config.max_steps, config.max_epochs and
+                           config.max_epochs * steps_per_epoch) if s)
+
+
 def _param_groups(model: GPT, weight_decay: float) -> list[dict[str, Any]]:
     # nanoGPT's split: decay matrices (weights of Linear and Embedding), not biases or norms.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -251,11 +272,7 @@ def run(config: TrainConfig) -> int:
                          global_batch_size=config.global_batch_size,
                          micro_batch_size=config.micro_batch_size, seed=config.seed,
                          compile=True if config.compile else None)
-    files = text_files(config.data)
-    train_files, val_files = split_files(files, config.data.val_fraction, seed=config.data.seed)
-    block = config.model.block_size
-    train = ByteDocumentDataset(train_files, block, max_bytes=config.data.max_train_bytes)
-    val = ByteDocumentDataset(val_files, block, max_bytes=config.data.max_val_bytes)
+    train_files, val_files, train, val = datasets(config)
     model = GPT(config.model)
     if config.init_from is not None:
         load_weights(model, config.init_from)
@@ -268,10 +285,7 @@ def run(config: TrainConfig) -> int:
                                   betas=opt_cfg.betas)
     loader = DataLoader(train, batch_size=config.micro_batch_size, shuffle=True,
                         collate_fn=pad_collate)
-    per_rank_batches = math.ceil(math.ceil(len(train) / acc.world_size) / config.micro_batch_size)
-    steps_per_epoch = math.ceil(per_rank_batches / acc.grad_accum_steps)
-    total = min(s for s in (config.max_steps, config.max_epochs and
-                            config.max_epochs * steps_per_epoch) if s)
+    total = total_steps(config, len(train), acc.world_size, acc.grad_accum_steps)
     scheduler = warmup_schedule(optimizer, warmup_steps=min(opt_cfg.warmup_steps, total),
                                 total_steps=total, decay=opt_cfg.decay,
                                 min_ratio=opt_cfg.min_lr_ratio)

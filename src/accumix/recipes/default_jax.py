@@ -9,7 +9,6 @@ jitted call per window through ``accumix.jax`` (``JaxSteps``), documents padded 
 
 from __future__ import annotations
 
-import math
 import time
 from functools import partial
 from pathlib import Path
@@ -21,14 +20,19 @@ from torch.utils.data import DataLoader
 
 from accumix.errors import ConfigError
 from accumix.recipes import gpt_jax
-from accumix.recipes.default import MODEL_FILE, SampleConfig, TrainConfig, report, text_files
+from accumix.recipes.default import (
+    MODEL_FILE,
+    SampleConfig,
+    TrainConfig,
+    datasets,
+    report,
+    total_steps,
+)
 from accumix.recipes.gpt import IGNORE_INDEX, GPTConfig
 from accumix.recipes.text_data import (
-    ByteDocumentDataset,
     decode,
     encode,
     pad_collate,
-    split_files,
 )
 
 
@@ -99,18 +103,12 @@ def run(config: TrainConfig) -> int:
     acc = axj.Accelerator(strategy=config.strategy, precision=config.precision,
                           global_batch_size=config.global_batch_size,
                           micro_batch_size=config.micro_batch_size, seed=config.seed)
-    files = text_files(config.data)
-    train_files, val_files = split_files(files, config.data.val_fraction, seed=config.data.seed)
+    train_files, val_files, train, val = datasets(config)
     block = config.model.block_size
-    train = ByteDocumentDataset(train_files, block, max_bytes=config.data.max_train_bytes)
-    val = ByteDocumentDataset(val_files, block, max_bytes=config.data.max_val_bytes)
     collate = partial(padded_collate, length=block, rows=config.micro_batch_size)
     loader = DataLoader(train, batch_size=config.micro_batch_size, shuffle=True,
                         collate_fn=collate)
-    per_rank_batches = math.ceil(math.ceil(len(train) / acc.world_size) / config.micro_batch_size)
-    steps_per_epoch = math.ceil(per_rank_batches / acc.grad_accum_steps)
-    total = min(s for s in (config.max_steps, config.max_epochs and
-                            config.max_epochs * steps_per_epoch) if s)
+    total = total_steps(config, len(train), acc.world_size, acc.grad_accum_steps)
     params = initial_params(config)
     tx, lr_at = optimizer_and_schedule(config, params, total, config.global_batch_size)
     state, windows = acc.setup(params, tx, loader)

@@ -137,6 +137,13 @@ class Strategy:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
         return [p.grad for p in params if p.grad is not None]
 
+    def grad_marks(self, params: list[nn.Parameter]) -> list[Any]:
+        """A token per parameter that changes when a backward adds to its gradient: the
+        gradient and its version counter (autograd accumulates in place, or sets a new one).
+        Read before and after a backward when several optimizers are set up, to know which of
+        them it reached; a backend keeping gradients elsewhere during the window overrides it."""
+        return [grad_mark(p.grad) for p in params]
+
     def finalize_gradients(
         self, params: list[nn.Parameter], factor: float | torch.Tensor
     ) -> torch.Tensor | None:
@@ -248,6 +255,12 @@ class Strategy:
 
     def teardown(self) -> None:
         """Releases what the backend holds; the process group is the Accelerator's."""
+
+
+def grad_mark(grad: torch.Tensor | None) -> tuple[Any, int]:
+    """A gradient's identity and version counter: one of them changes when a backward adds to
+    it (autograd accumulates in place, or sets a new tensor where there was none)."""
+    return (None, 0) if grad is None else (grad, grad._version)
 
 
 def params_of(optimizers: Iterable[Optimizer]) -> Iterator[nn.Parameter]:

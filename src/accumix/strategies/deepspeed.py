@@ -26,7 +26,16 @@ façade:
   ``acc.loss_scale`` reads the engine's scale (DeepSpeed's hysteresis is the one DESIGN.md
   specifies). DeepSpeed's ZeRO step (0.19) moves the loss scale *before* it unscales, so a
   step that grows the scale would apply half the gradient; the strategy defers the engine's
-  scale update to after its step (``_defer_scale_update``).
+  scale update to after its step (``defer_scale_update``). The engine steps once per window:
+  a second ``optimizer.step()`` at one boundary is an ``AccumixError`` (inside DeepSpeed it is
+  a ``TypeError``);
+* ZeRO-3's gradient partitions are zeroed after each step: DeepSpeed 0.19.8 copies a reduced
+  gradient into its partition on a window's first micro-step and adds on later ones without
+  clearing between windows, so a parameter unused on the first micro-step got the previous
+  window's leftover added (``clear_stage3_grad_partitions``);
+* ``full_state_dict``: trainable parameters the optimizer does not hold have no fp32 master
+  (ZeRO-3's ``safe_get_full_fp32_param`` raises ``KeyError``): they come from the module, as
+  frozen ones do.
 
 Not supported: ``offload_optimizer`` (the gradients then live in DeepSpeed's CPU buffers) and
 more than one model per strategy (one engine owns one model and one optimizer).
@@ -37,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +57,7 @@ from torch.optim import Optimizer
 
 from accumix.accumulation import rescale_grads_
 from accumix.compile import Compiler, reporting_failures
-from accumix.errors import ConfigError, LossScaleError
+from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
 from accumix.strategies.base import Strategy
@@ -56,6 +65,13 @@ from accumix.strategies.deepspeed_config import (
     deepspeed_config,
     import_deepspeed,
     read_user_config,
+)
+from accumix.strategies.deepspeed_engine import (
+    clear_stage3_grad_partitions,
+    defer_scale_update,
+    off_boundary,
+    partition_grads,
+    skip_cpu_shm_build,
 )
 
 _TAG = "engine-{index}"
@@ -113,6 +129,8 @@ class DeepSpeedStrategy(Strategy):
         self._engines: list[Any] = []
         self._engine_of: dict[int, Any] = {}  # id(user's optimizer) -> engine
         self._scale_updates: dict[int, Callable[[], None]] = {}  # id(engine) -> deferred update
+        self._trained: dict[int, set[int]] = {}  # id(engine) -> ids of its optimizer's params
+        self._stepped: set[int] = set()  # ids of engines stepped since their last backward
         self._owns_group = False
 
     def connect(self, *, launch: Any, device: torch.device, policy: Policy,
@@ -151,7 +169,10 @@ class DeepSpeedStrategy(Strategy):
             policy=self.policy, loss_scale=self._fp16, user_config=self.user_config,
         )
         self._ensure_process_group()
-        _skip_cpu_shm_build()
+        skip_cpu_shm_build()
+        # Read before the engine takes the optimizer over (ZeRO-3 re-points its groups at flat
+        # partitions): a trainable parameter outside it has no fp32 master to save.
+        trained = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
         model = autocast_forward(model.to(self.device), self.policy, self.device)
         try:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers[0],
@@ -165,9 +186,10 @@ class DeepSpeedStrategy(Strategy):
             raise
         engine.set_gradient_accumulation_boundary(True)
         _read_weights_only(engine)
-        self._scale_updates[id(engine)] = _defer_scale_update(engine.optimizer)
+        self._scale_updates[id(engine)] = defer_scale_update(engine.optimizer)
         self._engines.append(engine)
         self._engine_of[id(optimizers[0])] = engine
+        self._trained[id(engine)] = trained
         return engine, optimizers
 
     def _ensure_process_group(self) -> None:
@@ -212,15 +234,17 @@ class DeepSpeedStrategy(Strategy):
 
     # -- the step ------------------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-        return _off_boundary(self._engine(model))
+        return off_boundary(self._engine(model))
 
     def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         # The façade already divided by K (or the item hint); the engine adds only its fp16 scale.
-        self._engine(model).backward(loss, scale_wrt_gas=False)
+        engine = self._engine(model)
+        engine.backward(loss, scale_wrt_gas=False)
+        self._stepped.discard(id(engine))
 
     def local_grads(self, params: Any = None) -> list[torch.Tensor]:
         """The gradient partitions this rank's engine holds after the window's last backward."""
-        return [g for engine in self._engines for g in _partition_grads(engine.optimizer)]
+        return [g for engine in self._engines for g in partition_grads(engine.optimizer)]
 
     def finalize_gradients(self, params: list[nn.Parameter], factor: float | torch.Tensor
                            ) -> torch.Tensor | None:
@@ -257,9 +281,19 @@ class DeepSpeedStrategy(Strategy):
         # engine decides inside its step (and must step anyway to move its loss scale).
         engine = self._engine_of.get(id(optimizer))
         engine = self._engine(None) if engine is None else engine
+        if id(engine) in self._stepped:
+            # The engine's step consumed and cleared its gradient partitions; a second one
+            # fails inside DeepSpeed ("'NoneType' object is not iterable").
+            raise AccumixError(
+                "strategy='deepspeed' steps once per window: optimizer.step() was called again "
+                "at the same boundary without a backward in between; call it once per window"
+            )
         try:
             engine.step()
+            self._stepped.add(id(engine))
             self._scale_updates[id(engine)]()
+            if self.stage == 3:
+                clear_stage3_grad_partitions(engine.optimizer)
         except Exception as exc:
             if "loss scale already at minimum" not in str(exc):
                 raise
@@ -280,13 +314,17 @@ class DeepSpeedStrategy(Strategy):
         weight (gathered across partitions: collective), buffers as the module holds them."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        module = self._engine(model).module
+        engine = self._engine(model)
+        module, trained = engine.module, self._trained.get(id(engine), set())
         gather: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        frozen = [p for p in module.parameters() if not p.requires_grad]
-        if self.stage == 3 and frozen:  # trainable ones come one at a time from their masters
+        # Frozen parameters, and trainable ones the optimizer does not hold (they have no fp32
+        # master: ZeRO-3's safe_get_full_fp32_param raises KeyError on them), come from the
+        # module; the optimizer's come one at a time from their masters.
+        plain = [p for p in module.parameters() if not p.requires_grad or id(p) not in trained]
+        if self.stage == 3 and plain:
             import deepspeed
 
-            gather = deepspeed.zero.GatheredParameters(frozen)
+            gather = deepspeed.zero.GatheredParameters(plain)
         with gather:  # ZeRO-3 re-partitions on exit: keep copies
             state = {k: v.detach().clone() if self.stage == 3 else v.detach()
                      for k, v in module.state_dict().items()}
@@ -294,7 +332,7 @@ class DeepSpeedStrategy(Strategy):
         for name, p in module.named_parameters(remove_duplicate=False):
             names[id(p)].append(name)
         for p in module.parameters():
-            full = safe_get_full_fp32_param(p) if p.requires_grad else None
+            full = safe_get_full_fp32_param(p) if p.requires_grad and id(p) in trained else None
             if full is not None:
                 for name in names[id(p)]:
                     state[name] = full.detach().reshape(p.ds_shape if hasattr(p, "ds_shape")
@@ -341,6 +379,8 @@ class DeepSpeedStrategy(Strategy):
                 engine.destroy()
         self._engines.clear()
         self._engine_of.clear()
+        self._trained.clear()
+        self._stepped.clear()
         # DeepSpeed caches a clone of the world group per process; the Accelerator may destroy
         # the world next, and an engine built later (a new Accelerator) must not use the stale
         # clone. deepspeed.comm.destroy_process_group does the same release.
@@ -352,41 +392,6 @@ class DeepSpeedStrategy(Strategy):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
-
-
-@contextlib.contextmanager
-def _off_boundary(engine: Any) -> Iterator[None]:
-    engine.set_gradient_accumulation_boundary(False)
-    try:
-        yield
-    finally:
-        engine.set_gradient_accumulation_boundary(True)
-
-
-def _partition_grads(optimizer: Any) -> list[torch.Tensor]:
-    """The gradients a DeepSpeed optimizer will step with, this rank's partition only."""
-    if getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer", False):
-        raise ConfigError("zero_optimization.offload_optimizer is not supported by "
-                          "strategy='deepspeed' in accumix; remove it from the config")
-    if hasattr(optimizer, "averaged_gradients"):  # ZeRO 1/2 (DeepSpeedZeroOptimizer) and 3
-        return [g for grads in optimizer.averaged_gradients.values() if grads is not None
-                for g in grads if g is not None]
-    if hasattr(optimizer, "fp32_groups_gradient_flat_partition"):  # BF16_Optimizer (stage 1)
-        return list(optimizer.fp32_groups_gradient_flat_partition)
-    raise ConfigError(f"strategy='deepspeed' does not know where {type(optimizer).__name__} "
-                      "keeps its gradients; use ZeRO stage 1, 2 or 3 without offload")
-
-
-def _skip_cpu_shm_build() -> None:
-    # On the CPU accelerator DeepSpeed's comm layer JIT-compiles a shared-memory all-reduce
-    # kernel (minutes on first use, needs a compiler) that only its inference all-reduce
-    # uses; training reduces through torch.distributed, so mark it unavailable. DeepSpeed
-    # keeps one dict of compatible ops for the process and reads it when it builds the op.
-    from deepspeed import ops
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _load_weights_only(path: str, map_location: Any = None) -> Any:
@@ -408,25 +413,3 @@ def _read_weights_only(engine: Any) -> None:
 
     if type(engine.checkpoint_engine) is TorchCheckpointEngine:  # the default; others left be
         engine.checkpoint_engine.load = _load_weights_only
-
-
-def _defer_scale_update(optimizer: Any) -> Callable[[], None]:
-    """Moves a ZeRO optimizer's loss-scale update from inside its step to after it.
-
-    DeepSpeed's ZeRO ``step`` (stages 1-3, 0.19) calls ``_update_scale`` before
-    ``unscale_and_clip_grads``, which divides by the *updated* scale: on a step where the scale
-    doubles, the optimizer gets half the gradient (and stage 3 reports half the norm). Nothing
-    in the step after that call reads the new scale for the skip path, so the update is
-    recorded there and applied once the step is done. Returns what applies it.
-    """
-    update = getattr(optimizer, "_update_scale", None)
-    if update is None or not getattr(optimizer, "dynamic_loss_scale", False):
-        return lambda: None
-    pending: list[bool] = []
-    optimizer._update_scale = pending.append  # the instance attribute shadows the method
-
-    def apply() -> None:
-        while pending:
-            update(pending.pop(0))
-
-    return apply

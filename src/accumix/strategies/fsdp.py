@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from accumix.compile import Compiler
 from accumix.errors import ConfigError
 from accumix.memory import repeated_blocks
-from accumix.strategies.base import Strategy
+from accumix.strategies.base import Strategy, grad_mark
 
 SHARDINGS = ("full", "grad_op")
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
@@ -186,6 +187,26 @@ class FSDPStrategy(Strategy):
             return contextlib.nullcontext()
         return _gradient_sync_off(units)
 
+    def grad_marks(self, params: list[nn.Parameter]) -> list[Any]:
+        # Off the boundary FSDP2 accumulates into the *unsharded* parameters' gradients (or an
+        # upcast copy of them), and the sharded ones the optimizer holds change only at the
+        # boundary's reduce-scatter: a backward is seen wherever it landed.
+        owners = {id(fp.sharded_param): fp for units in self._units.values() for unit in units
+                  for group in unit._get_fsdp_state()._fsdp_param_groups
+                  for fp in group.fsdp_params}
+        marks = []
+        for p in params:
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            fp = owners.get(id(p))
+            if fp is None:
+                marks.append(grad_mark(grad))
+                continue
+            unsharded = getattr(fp, "_unsharded_param", None)
+            marks.append((*grad_mark(grad),
+                          *grad_mark(None if unsharded is None else unsharded.grad),
+                          *grad_mark(fp.unsharded_accumulated_grad)))
+        return marks
+
     def local_grads(self, params: Any) -> list[torch.Tensor]:
         # The rank's own shard: a DTensor's local tensor shares its storage, so rescaling it in
         # place rescales the sharded gradient.
@@ -199,10 +220,31 @@ class FSDPStrategy(Strategy):
     def clip_grad_norm_(
         self, params: list[nn.Parameter], max_norm: float, norm_type: float
     ) -> torch.Tensor:
+        if math.isinf(norm_type):
+            return self._clip_inf_norm(params, max_norm)
         # torch sums the shards' norms over the mesh for DTensor gradients; the result is a
         # replicated DTensor, returned as the plain tensor users expect.
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _clip_inf_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The infinity norm from the local shards, the max agreed over the ranks.
+
+        FSDP2 gives a rank an empty shard of every parameter whose dim 0 is smaller than the
+        world (a ``Linear(16, 1)`` bias on 2 ranks), and torch's ``_foreach_norm`` refuses the
+        infinity norm of an empty tensor on that rank alone (the others then wait in the
+        all-reduce forever); empty shards hold no maximum, so they are left out.
+        """
+        grads = [g for g in self.local_grads(params) if g.numel()]
+        if grads:
+            local = torch.stack([g.detach().abs().amax().float() for g in grads]).amax()
+        else:
+            local = torch.zeros((), device=self.device)
+        total = self.all_reduce(local.reshape(1), "max")[0]
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip coefficient
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
 
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

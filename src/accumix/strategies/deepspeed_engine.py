@@ -1,0 +1,87 @@
+"""The DeepSpeed engine's internals that accumix reaches into, and the quirks it works around
+(DeepSpeed 0.19): the boundary flag, where the gradient partitions live, ZeRO-3's leftover
+partitions, the ZeRO loss-scale update order, the CPU comm kernel it need not build."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from accumix.errors import ConfigError
+
+
+@contextlib.contextmanager
+def off_boundary(engine: Any) -> Iterator[None]:
+    """An off-boundary micro-step: the engine accumulates (stage 1 does not reduce); True is
+    restored after it, so a window that ends early needs no counter of the engine's."""
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(True)
+
+
+def partition_grads(optimizer: Any) -> list[torch.Tensor]:
+    """The gradients a DeepSpeed optimizer will step with, this rank's partition only."""
+    if getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer", False):
+        raise ConfigError("zero_optimization.offload_optimizer is not supported by "
+                          "strategy='deepspeed' in accumix; remove it from the config")
+    if hasattr(optimizer, "averaged_gradients"):  # ZeRO 1/2 (DeepSpeedZeroOptimizer) and 3
+        return [g for grads in optimizer.averaged_gradients.values() if grads is not None
+                for g in grads if g is not None]
+    if hasattr(optimizer, "fp32_groups_gradient_flat_partition"):  # BF16_Optimizer (stage 1)
+        return list(optimizer.fp32_groups_gradient_flat_partition)
+    raise ConfigError(f"strategy='deepspeed' does not know where {type(optimizer).__name__} "
+                      "keeps its gradients; use ZeRO stage 1, 2 or 3 without offload")
+
+
+def clear_stage3_grad_partitions(optimizer: Any) -> None:
+    """Zeroes ZeRO-3's gradient partitions after a step, so the next window starts from zero.
+
+    DeepSpeed's stage 3 (0.19.8, ``partition_grads``) copies a parameter's reduced gradient into
+    its partition on the window's first micro-step (``micro_step_id == 0``) and adds to it on
+    later ones, and never clears the partitions between windows: a parameter unused on the first
+    micro-step (a conditional branch, an MoE expert) gets its later gradients added onto the
+    previous window's. One memset of this rank's partition per window; a copy overwrites it
+    anyway where the first micro-step reaches the parameter.
+    """
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if isinstance(flat, torch.Tensor):
+        flat.zero_()
+
+
+def skip_cpu_shm_build() -> None:
+    # On the CPU accelerator DeepSpeed's comm layer JIT-compiles a shared-memory all-reduce
+    # kernel (minutes on first use, needs a compiler) that only its inference all-reduce
+    # uses; training reduces through torch.distributed, so mark it unavailable. DeepSpeed
+    # keeps one dict of compatible ops for the process and reads it when it builds the op.
+    from deepspeed import ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def defer_scale_update(optimizer: Any) -> Callable[[], None]:
+    """Moves a ZeRO optimizer's loss-scale update from inside its step to after it.
+
+    DeepSpeed's ZeRO ``step`` (stages 1-3, 0.19) calls ``_update_scale`` before
+    ``unscale_and_clip_grads``, which divides by the *updated* scale: on a step where the scale
+    doubles, the optimizer gets half the gradient (and stage 3 reports half the norm). Nothing
+    in the step after that call reads the new scale for the skip path, so the update is
+    recorded there and applied once the step is done. Returns what applies it.
+    """
+    update = getattr(optimizer, "_update_scale", None)
+    if update is None or not getattr(optimizer, "dynamic_loss_scale", False):
+        return lambda: None
+    pending: list[bool] = []
+    optimizer._update_scale = pending.append  # the instance attribute shadows the method
+
+    def apply() -> None:
+        while pending:
+            update(pending.pop(0))
+
+    return apply
