@@ -113,21 +113,29 @@ def split_compiled(model: nn.Module, asked: Compiler | None | bool
 
 def reporting_failures(compiled: Callable[..., Any], where: str) -> Callable[..., Any]:
     """``compiled`` whose compile failures are one ``CompileError`` line; the user's own errors
-    (a shape mismatch in their forward) pass through unchanged."""
-    dynamo_errors = torch._dynamo.exc.TorchDynamoException
+    (a shape mismatch in their forward, which dynamo reports as ``TorchRuntimeError``) pass
+    through unchanged: eager would raise them too."""
+    exc_module = torch._dynamo.exc
 
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return compiled(*args, **kwargs)
-        except dynamo_errors as exc:
-            raise CompileError(f"torch.compile failed on {where}: {_first_line(exc)}; pass "
+        except exc_module.TorchRuntimeError:
+            raise
+        except exc_module.TorchDynamoException as exc:
+            raise CompileError(f"torch.compile failed on {where}: {_summary(exc)}; pass "
                                "compile=False to train without it") from exc
 
     return call
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
-    return f"{type(exc).__name__}: {line[:300]}"
+def _summary(exc: BaseException) -> str:
+    """The failure and its cause in one line (a backend's own error is the useful part)."""
+    cause = getattr(exc, "inner_exception", None) or exc.__cause__
+    text = f"{type(exc).__name__}"
+    for err in (cause, exc) if cause is not None else (exc,):
+        line = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+        if line:
+            return f"{text} ({type(err).__name__}: {line[:300]})"
+    return text
