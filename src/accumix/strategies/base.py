@@ -115,9 +115,9 @@ class Strategy:
         return model
 
     def compile_module(self, model: nn.Module, compiler: Compiler) -> nn.Module:
-        """Compiles what ``setup`` returned, in place, after wrapping (Fabric's order): for DDP
-        dynamo sees the wrapper and splits the graph at its buckets (DDPOptimizer), and the
-        ``no_sync`` flag is read outside the graph, so toggling it never recompiles.
+        """Compiles what runs, in place, after ``setup`` wrapped or sharded the model (Fabric's
+        order); the default compiles the whole model. A backend whose wrapper must stay eager
+        (DDP: its ``no_sync`` branch) or whose units compile one by one (FSDP2) overrides it.
 
         Returns:
             The model to train (the same object).
