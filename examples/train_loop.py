@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--val-bytes", type=int, default=100_000, help="held-out text to score")
     args = parser.parse_args()
 
     acc = ax.Accelerator(precision=args.precision, global_batch_size=args.global_batch,
@@ -40,7 +41,7 @@ def main() -> None:
     config = GPTConfig(block_size=128, n_layer=2, n_head=4, n_embd=128)
     train_files, val_files = split_files(stdlib_files(max_files=200), val_fraction=0.05)
     train = ByteDocumentDataset(train_files, config.block_size, max_bytes=2_000_000)
-    val = ByteDocumentDataset(val_files, config.block_size, max_bytes=100_000)
+    val = ByteDocumentDataset(val_files, config.block_size, max_bytes=args.val_bytes)
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -10,7 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from accumix.errors import AccumixError, CompileError, ConfigError, LossScaleError
+from accumix.errors import (
+    AccumixError,
+    CheckpointError,
+    CompileError,
+    ConfigError,
+    LossScaleError,
+)
 from accumix.precision.loss_scale import DynamicLossScale, NoLossScale
 
 __version__ = "0.1.0"
@@ -39,8 +45,9 @@ _LAZY.update(dict.fromkeys(_TRAINER, "accumix.trainer"))
 
 __all__ = [
     "AccumixError",
-    "CompileError",
     "Accelerator",
+    "CheckpointError",
+    "CompileError",
     "ConfigError",
     "DDPStrategy",
     "DeepSpeedStrategy",

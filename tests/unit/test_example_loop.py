@@ -13,7 +13,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_loop.py"
 def test_plain_loop_example_learns() -> None:
     out = subprocess.run(
         [sys.executable, str(EXAMPLE), "--steps", "20", "--global-batch", "16",
-         "--micro-batch", "8"],
+         "--micro-batch", "8", "--val-bytes", "20000"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     assert "1 process(es), strategy single, precision fp32, K=2" in out

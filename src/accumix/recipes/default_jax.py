@@ -78,13 +78,21 @@ def optimizer_and_schedule(config: TrainConfig, params: Any, total_steps: int,
 
 
 def initial_params(config: TrainConfig) -> dict[str, Any]:
-    """A fresh init, or ``init_from``'s weights (either backend's ``model.safetensors``).
+    """The torch recipe's initial weights, or ``init_from``'s (either backend's
+    ``model.safetensors``).
 
     Raises:
         ConfigError: the file does not fit the model's shape.
     """
     if config.init_from is None:
-        return gpt_jax.init_params(config.model, seed=config.seed)
+        # The torch recipe's very weights (its GPT drawn right after seeding), so one job gives
+        # the same losses on either backend; gpt_jax.init_params is the torch-free init.
+        from accumix.recipes.gpt import GPT
+
+        torch.manual_seed(config.seed)
+        model = GPT(config.model)
+        return gpt_jax.from_torch_keys(
+            {k: v.detach().numpy() for k, v in model.state_dict().items()}, config.model)
     from safetensors.numpy import load_file
 
     try:
