@@ -10,7 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from accumix.errors import AccumixError, CheckpointError, ConfigError, LossScaleError
+from accumix.errors import (
+    AccumixError,
+    CheckpointError,
+    CompileError,
+    ConfigError,
+    LossScaleError,
+)
 from accumix.precision.loss_scale import DynamicLossScale, NoLossScale
 
 __version__ = "0.1.0"
@@ -41,6 +47,7 @@ __all__ = [
     "AccumixError",
     "Accelerator",
     "CheckpointError",
+    "CompileError",
     "ConfigError",
     "DDPStrategy",
     "DeepSpeedStrategy",

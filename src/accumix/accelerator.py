@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from accumix import boundary, checkpoint, fault
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
+from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
 from accumix.data import AcceleratedDataLoader
 from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
 from accumix.errors import AccumixError, ConfigError
@@ -93,6 +94,10 @@ class Accelerator:
         loss_scale: a ``DynamicLossScale`` for fp16; None uses its defaults.
         seed: seeds python, numpy and torch identically on every rank.
         timeout: seconds a collective may wait before every rank stops with an error.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments compiles each model
+            after the strategy wrapped or sharded it; None (default) compiles only a model that
+            comes ``torch.compile``'d (with its own options, likewise after the strategy);
+            ``False`` runs even such a model eagerly.
 
     Raises:
         ConfigError: an unknown word, an impossible combination or batch sizes that don't divide.
@@ -108,9 +113,11 @@ class Accelerator:
         loss_scale: DynamicLossScale | None = None,
         seed: int | None = None,
         timeout: float = 600.0,
+        compile: CompileSetting = None,
     ) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout={timeout!r} is invalid; use seconds > 0")
+        self._compile = resolve_compile(compile)
         self.launch = detect_launch_env()
         configure_logging(self.launch.rank)
         self.device = pick_device(self.launch)
@@ -234,8 +241,10 @@ class Accelerator:
         for obj in objects:  # loaders first: one may fix K and the micro batch an engine needs
             if isinstance(obj, DataLoader):
                 result[id(obj)] = self._wrap_loader(obj)
-        for model in models:
-            owned = [o for o in optimizers if _owns(model, o)]
+        for given in models:
+            owned = [o for o in optimizers if _owns(given, o)]
+            # torch.compile'd: its module goes to the strategy, compiled after it (compile.py).
+            model, compiler = split_compiled(given, self._compile)
             if self._auto_strategy:
                 self._choose_auto_strategy(model, owned)
             micro = self._batch_sizes[2] or next(
@@ -243,8 +252,10 @@ class Accelerator:
             self.strategy.set_batch_geometry(micro_batch_size=micro,
                                              grad_accum_steps=self.grad_accum_steps)
             wrapped, opts = self.strategy.setup(model, owned)
+            if compiler is not None:
+                wrapped = self.strategy.compile_module(wrapped, compiler)
             self._models.append(wrapped)
-            result[id(model)] = wrapped
+            result[id(given)] = wrapped
             for raw, opt in zip(owned, opts, strict=True):
                 result[id(raw)] = self._wrap_optimizer(opt)
         for opt in optimizers:
@@ -442,8 +453,8 @@ class Accelerator:
             print(*args, **kwargs)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module inside what ``setup`` returned."""
-        return self.strategy.unwrap(model)
+        """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper)."""
+        return strip_compiled(self.strategy.unwrap(strip_compiled(model)))
 
     def save_model(self, directory: str | os.PathLike[str], model: nn.Module | None = None
                    ) -> Path:

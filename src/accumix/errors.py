@@ -17,3 +17,7 @@ class LossScaleError(AccumixError):
 
 class CheckpointError(AccumixError):
     """A checkpoint that is missing, torn, corrupt or does not fit this run; names the file."""
+
+
+class CompileError(ConfigError):
+    """``torch.compile`` failed (no C++ compiler, an op it cannot lower); ``compile=False``."""

@@ -1,7 +1,7 @@
 """The benchmark scripts run in their tiny configurations and print the tables they promise.
 
-Both scripts run as users run them (``python bench/NAME.py``), side by side in two processes, so
-this costs the slower of the two (a few seconds), not their sum.
+The scripts run as users run them (``python bench/NAME.py``), side by side in one process each,
+so this costs the slowest of them (a few seconds), not their sum.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         # The rows a CPU runs, named so the test reads the same on a machine with CUDA.
         "gpu": [sys.executable, "bench/gpu.py", "--tiny", "--rows", GPU_ROWS,
                 "--json", str(json_path)],
+        "compile": [sys.executable, "bench/compile.py", "--tiny", "--backend", "eager",
+                    "--steps", "1", "--rows", "single-fp32"],
     }
     # One thread each: two processes share the cores instead of fighting over them.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -106,3 +108,14 @@ def test_gpu_table_on_cpu(outputs: dict[str, object]) -> None:
     # raw, accumix and Accelerate under bf16 do the same arithmetic in the same order.
     bf16 = {records[label]["val_loss"] for label in bf16_rows}
     assert len(bf16) == 1, bf16
+
+
+def test_compile_table(outputs: dict[str, object]) -> None:
+    headers, rows = parse_table(str(outputs["compile"]))
+    assert headers == ["strategy", "precision", "eager tokens/s", "compiled tokens/s", "x eager",
+                       "x eager (wall)", "eager s/step", "compiled s/step", "compile s (wall)",
+                       "loss step 1 eager / compiled"]
+    assert [row[:2] for row in rows] == [["single", "fp32"]]
+    assert float(rows[0][4]) > 0 and float(rows[0][5]) > 0
+    eager_loss, compiled_loss = rows[0][9].split(" / ")
+    assert eager_loss == compiled_loss  # the same weights, data and arithmetic

@@ -123,6 +123,8 @@ class TrainConfig:
         seed: seeds every rank identically (model init, shuffling).
         strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``deepspeed``.
         precision: ``auto``, ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``.
+        compile: ``torch.compile`` the model (inductor) after the strategy wrapped it
+            (``Accelerator(compile=True)``); the JAX backend always jits and ignores it.
         global_batch_size: documents per optimizer step over all ranks (fixed whatever nproc).
         micro_batch_size: documents per forward on one rank.
         max_steps: optimizer steps to train (None: ``max_epochs`` decides).
@@ -147,6 +149,7 @@ class TrainConfig:
     seed: int = 0
     strategy: str = "auto"
     precision: str = "auto"
+    compile: bool = False
     global_batch_size: int = 32
     micro_batch_size: int = 8
     max_steps: int | None = 120
@@ -267,7 +270,8 @@ def run(config: TrainConfig) -> int:
     started = time.perf_counter()
     acc = ax.Accelerator(strategy=config.strategy, precision=config.precision,
                          global_batch_size=config.global_batch_size,
-                         micro_batch_size=config.micro_batch_size, seed=config.seed)
+                         micro_batch_size=config.micro_batch_size, seed=config.seed,
+                         compile=True if config.compile else None)
     train_files, val_files, train, val = datasets(config)
     model = GPT(config.model)
     if config.init_from is not None:

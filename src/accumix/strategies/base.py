@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accumix.accumulation import rescale_grads_
+from accumix.compile import Compiler
 from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
 from accumix.precision import LossScaler, NoLossScale, Policy
@@ -112,6 +113,16 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper ``setup`` returned."""
         return model
+
+    def compile_module(self, model: nn.Module, compiler: Compiler) -> nn.Module:
+        """Compiles what runs, in place, after ``setup`` wrapped or sharded the model (Fabric's
+        order); the default compiles the whole model. A backend whose wrapper must stay eager
+        (DDP: its ``no_sync`` branch) or whose units compile one by one (FSDP2) overrides it.
+
+        Returns:
+            The model to train (the same object).
+        """
+        return compiler.compile_in_place(model)
 
     # -- the step ------------------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:

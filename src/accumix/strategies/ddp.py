@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from accumix.compile import Compiler
 from accumix.strategies.base import Strategy
 
 
@@ -55,6 +56,14 @@ class DDPStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def compile_module(self, model: nn.Module, compiler: Compiler) -> nn.Module:
+        """The module inside DDP compiled in place, DDP's forward left eager: DDP calls it inside
+        ``_inside_ddp_forward``, so dynamo still splits the graph at DDP's buckets (DDPOptimizer,
+        as for ``torch.compile(ddp_model)``), while DDP's Python (which reads the ``no_sync``
+        flag and takes another branch at boundaries) never becomes dynamo frames of its own."""
+        compiler.compile_in_place(self.unwrap(model))
+        return model
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         if isinstance(model, DistributedDataParallel):

@@ -56,6 +56,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accumix.accumulation import rescale_grads_
+from accumix.compile import Compiler, reporting_failures
 from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
@@ -207,6 +208,22 @@ class DeepSpeedStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model) if model in self._engines else model
+
+    def compile_module(self, model: nn.Module, compiler: Compiler) -> nn.Module:
+        """Through the engine's ``compile()`` (which compiles its module in place and tells the
+        engine it is compiled); a model that came ``torch.compile``'d carries options that cannot
+        be read back as keywords, so its own dynamo context compiles the engine's module the same
+        way ``engine.compile`` would."""
+        engine = self._engine(model)
+        if compiler.options is None:
+            compiler.compile_in_place(engine.module)
+            return engine
+        options = dict(compiler.options)
+        engine.compile(backend=options.pop("backend", "inductor"), compile_kwargs=options)
+        module = engine.module
+        module._compiled_call_impl = reporting_failures(module._compiled_call_impl,
+                                                        type(module).__name__)
+        return engine
 
     def _engine(self, model: nn.Module | None) -> Any:
         if model is not None and model in self._engines:

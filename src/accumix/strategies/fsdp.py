@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
+from accumix.compile import Compiler
 from accumix.errors import ConfigError
 from accumix.memory import repeated_blocks
 from accumix.strategies.base import Strategy, grad_mark
@@ -165,6 +166,18 @@ class FSDPStrategy(Strategy):
                 fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard,
                             mp_policy=inner)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=outer)
+        return model
+
+    def compile_module(self, model: nn.Module, compiler: Compiler) -> nn.Module:
+        """Each FSDP unit below the root compiled on its own (torchtitan's per-block compile, as
+        torch recommends for FSDP2): the units' all-gather and reduce-scatter hooks run around
+        the compiled blocks, and identical blocks share one graph. A model without such units
+        (or on one process) is compiled whole."""
+        blocks = [u for u in self._units.get(id(model), []) if u is not model]
+        if not blocks:
+            return compiler.compile_in_place(model)
+        for block in blocks:
+            compiler.compile_in_place(block)
         return model
 
     # -- the step ------------------------------------------------------------------------------

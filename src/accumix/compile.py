@@ -1,0 +1,141 @@
+"""``torch.compile`` applied after the strategy: the user's options, on what really runs.
+
+A model handed to ``acc.setup`` as ``torch.compile(model, **opts)`` is an ``OptimizedModule``
+around the user's module. Wrapping or sharding that wrapper loses the compilation (FSDP2's hooks
+sit on the outer module and dynamo never sees a frame) and leaks ``_orig_mod.`` into state-dict
+keys. So setup takes the user's module out, lets the strategy wrap or shard it, and compiles the
+modules the strategy names (``Strategy.compile_module``) *in place*, as ``nn.Module.compile``
+does: the compiled ``_call_impl`` replaces the module's call, the module object, its class,
+parameters and state-dict keys stay the user's, and ``acc.unwrap`` has nothing to strip.
+
+The compiled call is wrapped once more so that a compile failure (no C++ compiler, an op
+inductor cannot lower, a graph break under ``fullgraph=True``) is one ``CompileError`` line that
+says to pass ``compile=False``; nothing falls back to eager silently.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from accumix.errors import CompileError, ConfigError
+
+CompileSetting = bool | dict[str, Any] | None
+
+# torch.compile's keyword arguments (torch 2.13); anything else is a user's typo.
+_COMPILE_KWARGS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Compiler:
+    """How to compile a callable: the user's ``torch.compile`` options, or the dynamo context of
+    the ``OptimizedModule`` they built (its options are baked into it and not readable back).
+
+    Attributes:
+        options: ``torch.compile`` keyword arguments, when known.
+        context: the user's ``OptimizedModule.dynamo_ctx``, when the model came compiled.
+    """
+
+    options: dict[str, Any] | None = None
+    context: Any = None
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if self.context is not None:
+            return self.context(fn)
+        return torch.compile(fn, **(self.options or {}))
+
+    def compile_in_place(self, module: nn.Module) -> nn.Module:
+        """Compiles ``module``'s call (hooks and forward) in place, as ``nn.Module.compile``."""
+        compiled = self(module._call_impl)
+        module._compiled_call_impl = reporting_failures(compiled, type(module).__name__)
+        return module
+
+
+def resolve_compile(setting: CompileSetting) -> Compiler | None | bool:
+    """``Accelerator(compile=...)`` checked once: a ``Compiler``, None (not asked: a model that
+    comes compiled is compiled) or False (asked off: a compiled model runs eagerly).
+
+    Raises:
+        ConfigError: not a bool, None or a dict of ``torch.compile`` keyword arguments.
+    """
+    if setting is None:
+        return None
+    if setting is False:
+        return False
+    if setting is True:
+        return Compiler(options={})
+    if isinstance(setting, dict):
+        unknown = [k for k in setting if k not in _COMPILE_KWARGS]
+        if unknown:
+            raise ConfigError(f"compile={setting!r} has unknown key(s) {unknown}; use "
+                              f"torch.compile's: {', '.join(_COMPILE_KWARGS)}")
+        return Compiler(options=dict(setting))
+    raise ConfigError(f"compile={setting!r} is invalid; use True, False or a dict of "
+                      "torch.compile keyword arguments such as {'mode': 'max-autotune'}")
+
+
+def is_compiled_wrapper(module: Any) -> bool:
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def strip_compiled(module: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile``'s wrapper(s), or ``module`` itself."""
+    while is_compiled_wrapper(module):
+        module = module._orig_mod
+    return module
+
+
+def split_compiled(model: nn.Module, asked: Compiler | None | bool
+                   ) -> tuple[nn.Module, Compiler | None]:
+    """The user's plain module and how to compile it after the strategy (None: eagerly).
+
+    ``asked`` is ``resolve_compile``'s answer. A model that comes compiled keeps its own options
+    unless ``compile=False``; with ``compile=True|dict`` as well, the two must not disagree.
+
+    Raises:
+        ConfigError: ``Accelerator(compile={...})`` and a ``torch.compile``'d model together.
+    """
+    if not is_compiled_wrapper(model):
+        return model, asked if isinstance(asked, Compiler) else None
+    if asked is False:
+        return strip_compiled(model), None
+    if isinstance(asked, Compiler) and asked.options:
+        raise ConfigError(f"the model came torch.compile'd and Accelerator(compile="
+                          f"{asked.options!r}) was given too; pass the plain model, or "
+                          "compile=None to keep the model's own options")
+    return strip_compiled(model), Compiler(context=model.dynamo_ctx)
+
+
+def reporting_failures(compiled: Callable[..., Any], where: str) -> Callable[..., Any]:
+    """``compiled`` whose compile failures are one ``CompileError`` line; the user's own errors
+    (a shape mismatch in their forward, which dynamo reports as ``TorchRuntimeError``) pass
+    through unchanged: eager would raise them too."""
+    exc_module = torch._dynamo.exc
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled(*args, **kwargs)
+        except exc_module.TorchRuntimeError:
+            raise
+        except exc_module.TorchDynamoException as exc:
+            raise CompileError(f"torch.compile failed on {where}: {_summary(exc)}; pass "
+                               "compile=False to train without it") from exc
+
+    return call
+
+
+def _summary(exc: BaseException) -> str:
+    """The failure and its cause in one line (a backend's own error is the useful part)."""
+    cause = getattr(exc, "inner_exception", None) or exc.__cause__
+    text = f"{type(exc).__name__}"
+    for err in (cause, exc) if cause is not None else (exc,):
+        line = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+        if line:
+            return f"{text} ({type(err).__name__}: {line[:300]})"
+    return text
