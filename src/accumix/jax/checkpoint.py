@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from accumix import run_dir as layout
-from accumix.errors import CheckpointError
+from accumix.errors import CheckpointError, ConfigError
 from accumix.jax.state import TrainState
 
 if TYPE_CHECKING:
@@ -49,8 +49,6 @@ def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int |
     """Writes ``run_dir/step-<state.step>`` atomically, then ``latest``. Collective."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
-        from accumix.errors import ConfigError
-
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
     run_dir = run_dir.absolute()
     step = int(jax.device_get(state.step))

@@ -22,6 +22,7 @@ reduce ourselves; with ``check_vma=True`` JAX would psum them already and ours w
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -98,13 +99,12 @@ def build_step(
     num_devices = strategy.num_devices
 
     def local_window(params_c: Any, batch: Any, mask: jax.Array, key: jax.Array,
-                     scale: jax.Array) -> tuple[Any, ...]:
+                     scale: jax.Array, *, item_mode: bool) -> tuple[Any, ...]:
         """One device's K micro-steps; returns the reduced sums."""
         full = strategy.gather_params(params_c, param_specs)
         device = jax.lax.axis_index(AXIS)
         first = jax.tree.map(lambda x: x[0], batch)
-        _, items0, aux0 = split_loss_output(jax.eval_shape(loss_fn, full, first, key))
-        item_mode = items0 is not None
+        aux0 = split_loss_output(jax.eval_shape(loss_fn, full, first, key))[2]
 
         def objective(p: Any, micro: Any, k: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
             loss, items, aux = split_loss_output(loss_fn(p, micro, k))
@@ -141,7 +141,7 @@ def build_step(
         (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(micro_step, carry0, (steps, batch, mask))
         g_sum = strategy.reduce_grads(g_sum, param_specs)
         l_sum, n_sum, a_sum = jax.lax.psum((l_sum, n_sum, a_sum), AXIS)
-        return g_sum, l_sum, n_sum, a_sum, jnp.asarray(item_mode)
+        return g_sum, l_sum, n_sum, a_sum
 
     def step(state: TrainState, window: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         batch, mask = window.batch, window.mask
@@ -149,17 +149,17 @@ def build_step(
         rng, key = jax.random.split(state.rng)
         scale = state.loss_scale.scale
         batch_specs = jax.tree.map(lambda _: P(None, AXIS), batch)
-        sums = jax.shard_map(
-            local_window, mesh=strategy.mesh,
+        item_mode = is_item_mode(loss_fn, params_c, window)  # static: fixed at trace time
+        g_sum, l_sum, n_sum, a_sum = jax.shard_map(
+            partial(local_window, item_mode=item_mode), mesh=strategy.mesh,
             in_specs=(param_specs, batch_specs, P(), P(), P()),
-            out_specs=(param_specs, P(), P(), P(), P()),
+            out_specs=(param_specs, P(), P(), P()),
             check_vma=False,
         )(params_c, batch, mask, key, scale)
-        g_sum, l_sum, n_sum, a_sum, item_mode = sums
         valid = jnp.sum(mask.astype(jnp.float32))
         micro_steps = valid * num_devices
         rows = jax.tree.leaves(batch)[0].shape[1]  # global rows of one micro-batch
-        divisor = jnp.where(item_mode, n_sum, micro_steps)
+        divisor = n_sum if item_mode else micro_steps
         grads = jax.tree.map(lambda g: g / (divisor * scale), g_sum)
         found_inf = jnp.asarray(False)
         if scaled:  # after an overflow at the floor, stop stepping (raised when checked)
@@ -181,7 +181,7 @@ def build_step(
                                step=state.step + (~found_inf).astype(state.step.dtype), rng=rng)
         metrics = {
             "loss": l_sum / divisor,
-            "num_items": jnp.where(item_mode, n_sum, valid * rows),
+            "num_items": n_sum if item_mode else valid * rows,
             "grad_norm": grad_norm,
             "loss_scale": loss_scale.scale,
             "skipped": found_inf,

@@ -136,7 +136,7 @@ def run(config: TrainConfig) -> int:
         progress_bar=config.progress_bar,
         callbacks=[ThroughputMonitor(flops_per_item=gpt_jax.flops_per_token(model_cfg))],
     )
-    num_params = sum(int(np.prod(np.shape(x))) for x in _leaves(params)) - block * model_cfg.n_embd
+    num_params = gpt_jax.num_parameters(model_cfg)
     acc.print(
         f"accumix train (jax): {num_params / 1e6:.1f}M-parameter GPT on {len(train_files)} "
         f"files ({train.num_targets / 1e6:.1f}M training bytes in {len(train)} documents; "
@@ -153,12 +153,6 @@ def run(config: TrainConfig) -> int:
         text = generate(steps.state.params, model_cfg, config.sample, seed=config.seed)
         acc.print("sample:\n" + text, flush=True)
     return 0
-
-
-def _leaves(tree: Any) -> list[Any]:
-    import jax
-
-    return jax.tree.leaves(tree)
 
 
 def save_weights(acc: Any, state: Any, run_dir: Path, model: GPTConfig) -> Path:

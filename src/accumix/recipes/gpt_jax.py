@@ -149,12 +149,16 @@ def from_torch_keys(tensors: dict[str, np.ndarray], config: GPTConfig) -> Params
     return jax.tree_util.tree_map_with_path(put, params)
 
 
-def flops_per_token(config: GPTConfig) -> int:
-    """nanoGPT's training FLOPs per token, counted as ``GPT.flops_per_token`` counts them
-    (non-embedding parameters: the position table out, the token table out unless tied)."""
-    params = jax.eval_shape(lambda: jax.tree.map(jnp.asarray, init_params(config)))
-    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+def num_parameters(config: GPTConfig) -> int:
+    """Non-embedding parameters, as ``GPT.num_parameters`` counts them: the position table
+    out, the token table out unless it is tied to the head."""
+    total = sum(int(np.size(x)) for x in jax.tree.leaves(init_params(config)))
     total -= config.block_size * config.n_embd
     if not config.tie_weights:
         total -= config.vocab_size * config.n_embd
-    return 6 * total + 12 * config.n_layer * config.n_embd * config.block_size
+    return total
+
+
+def flops_per_token(config: GPTConfig) -> int:
+    """nanoGPT's training FLOPs per token, as ``GPT.flops_per_token`` counts them."""
+    return 6 * num_parameters(config) + 12 * config.n_layer * config.n_embd * config.block_size
