@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from accumix import boundary, checkpoint, fault
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
+from accumix.batch_sizes import batch_geometry
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
 from accumix.data import AcceleratedDataLoader
 from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
@@ -145,6 +146,7 @@ class Accelerator:
         steps = self._derive_steps(micro_batch_size)
         self._window = AccumulationWindow(steps or 1)
         self._steps_known = steps is not None
+        self._steps_assigned = False
         self.seed = seed
         if seed is not None:
             seed_everything(seed)
@@ -201,6 +203,7 @@ class Accelerator:
             )
         self._window.grad_accum_steps = steps
         self._steps_known = True
+        self._steps_assigned = True  # an explicit K: load_state keeps it
 
     @property
     def sync_gradients(self) -> bool:
@@ -325,6 +328,18 @@ class Accelerator:
         )
         self._loaders.append(wrapped)
         return wrapped
+
+    def _batch_geometry(self) -> dict[str, Any]:
+        """K now, K as the settings give it, and what gave it (checkpoints restore K by it)."""
+        steps, global_batch, micro = self._batch_sizes
+        micro = micro or self.strategy.micro_batch_size or next(
+            (w.batch_size for w in self._loaders if w.batch_size), None)
+        given = ("grad_accum_steps" if steps is not None else
+                 "global_batch_size" if global_batch is not None else "none")
+        configured = (self._derive_steps(micro) if micro or global_batch is None else None)
+        return batch_geometry(steps=self.grad_accum_steps, configured=configured or steps or 1,
+                              given=given, micro_batch_size=micro,
+                              dp_world_size=self.strategy.dp_world_size)
 
     def _derive_steps(self, micro_batch_size: int | None) -> int | None:
         steps, global_batch, _ = self._batch_sizes

@@ -67,3 +67,60 @@ def _what_divides(global_batch: int, micro: int, world: int) -> str:
         return f"micro batch sizes that divide it: {divisors[:12]}"
     worlds = [w for w in range(1, global_batch // micro + 1) if (global_batch // micro) % w == 0]
     return f"data-parallel world sizes that would divide it: {worlds[:12]}"
+
+
+def batch_geometry(*, steps: int, configured: int, given: str, micro_batch_size: int | None,
+                   dp_world_size: int) -> dict[str, int | str | None]:
+    """What a checkpoint records of K: the K running now, the K the settings gave
+    (``configured``: they differ after a ``GradientAccumulationScheduler`` or an assignment to
+    ``acc.grad_accum_steps``), which setting gave it (``"grad_accum_steps"``,
+    ``"global_batch_size"`` or ``"none"``), the micro batch and the data-parallel world size."""
+    return {"steps": steps, "configured": configured, "given": given,
+            "micro_batch_size": micro_batch_size, "dp_world_size": dp_world_size}
+
+
+def resumed_grad_accum_steps(saved: dict[str, int | str | None], mine: dict[str, int | str | None],
+                             *, global_batch_size: int | None, assigned: bool) -> int:
+    """K for a run that loads a checkpoint, from both runs' ``batch_geometry``.
+
+    * The same settings as the saved run (or none at all): the saved K, so a K changed while
+      the saved run trained (a scheduler's) is restored.
+    * ``grad_accum_steps=`` given and different, or ``acc.grad_accum_steps`` assigned before the
+      load: this run's K (an explicit change).
+    * ``global_batch_size`` given: K keeps the saved run's global batch on this world size and
+      micro batch (the saved K if nothing else changed).
+
+    Raises:
+        ConfigError: ``global_batch_size`` (not K itself) gives a K whose global batch differs
+            from the checkpoint's, or the saved global batch does not divide here.
+    """
+    steps, saved_steps = int(mine["steps"]), int(saved["steps"])  # type: ignore[arg-type]
+    if assigned or saved_steps == steps:
+        return steps
+    same_k = saved["given"] == mine["given"] == "grad_accum_steps" and (
+        saved["configured"] == mine["configured"])
+    same = all(saved[k] == mine[k] for k in ("configured", "given", "micro_batch_size",
+                                              "dp_world_size"))
+    if same or same_k or mine["given"] == "none":
+        return saved_steps
+    if mine["given"] == "grad_accum_steps":
+        return steps
+    micro, world = mine["micro_batch_size"], int(mine["dp_world_size"])  # type: ignore[arg-type]
+    saved_micro, saved_world = saved["micro_batch_size"], int(saved["dp_world_size"])  # type: ignore[arg-type]
+    saved_global = saved_steps * int(saved_micro or 0) * saved_world
+    configured_global = int(saved["configured"]) * int(saved_micro or 0) * saved_world  # type: ignore[arg-type]
+    if micro and saved_micro and global_batch_size in (saved_global, configured_global):
+        if saved_global % (int(micro) * world) == 0:
+            return saved_global // (int(micro) * world)
+        raise ConfigError(
+            f"the checkpoint's global batch of {saved_global} (K={saved_steps} x micro batch "
+            f"{saved_micro} x {saved_world} ranks) is not a multiple of micro batch {micro} x "
+            f"{world} ranks; resume on a world size that divides it, or pass grad_accum_steps= "
+            "to change K on purpose"
+        )
+    raise ConfigError(
+        f"the checkpoint was saved with grad_accum_steps={saved_steps} (global batch "
+        f"{saved_global or '?'}), but global_batch_size={global_batch_size} gives "
+        f"grad_accum_steps={steps} here; pass global_batch_size={saved_global or '?'} to resume "
+        f"as saved, or grad_accum_steps={steps} to change K on purpose"
+    )

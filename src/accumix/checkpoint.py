@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 
 from accumix import fault, rng_state
 from accumix import run_dir as layout
+from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.errors import AccumixError, CheckpointError, ConfigError
 from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
 
@@ -172,6 +173,7 @@ def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
         "checkpoint_format": acc.strategy.checkpoint_format,
         "precision": acc.policy.name,
         "grad_accum_steps": acc.grad_accum_steps,
+        "grad_accum": acc._batch_geometry(),
         "state": {
             "optimizer_steps": acc.optimizer_steps,
             "step_was_skipped": acc.step_was_skipped,
@@ -197,7 +199,8 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
     meta: dict[str, Any] = {}
     rng: dict[str, Any] = {}
     schedulers: list[dict[str, Any]] = []
-    error: str | None = None
+    steps = acc.grad_accum_steps
+    error: tuple[bool, str] | None = None
     try:  # everything that can be checked before anything is changed
         step_dir = resolve(path)
         meta = _validate(acc, step_dir)
@@ -207,11 +210,19 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
                                                     strict=True)):
             loader.check_state(saved, f"DataLoader {index}")
     except (CheckpointError, ConfigError) as exc:
-        error = str(exc)
+        error = (False, str(exc))
+    if error is None and "grad_accum" in meta:  # older checkpoints did not record K's source
+        try:
+            steps = resumed_grad_accum_steps(
+                meta["grad_accum"], acc._batch_geometry(),
+                global_batch_size=acc._batch_sizes[1], assigned=acc._steps_assigned)
+        except ConfigError as exc:
+            error = (True, f"acc.load_state({str(path)!r}): {exc}")
     with fault.phase(acc, "acc.load_state, checking the checkpoint"):
         errors = acc.strategy.all_gather_object(error)  # every rank refuses, or none does
     if any(errors):
-        raise CheckpointError(next(e for e in errors if e))
+        is_config, message = next(e for e in errors if e)
+        raise (ConfigError if is_config else CheckpointError)(message)
     assert step_dir is not None
     optimizers = [o.optimizer for o in acc._optimizers]
     empty_before = [not o.state for o in optimizers]
@@ -241,6 +252,10 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
         sched._stepped_window = saved["stepped_window"]
     acc.strategy.scaler.load_state_dict(state["scaler"])
     acc._window.load_state_dict(state["window"])
+    if steps != acc.grad_accum_steps:
+        log.info("grad_accum_steps=%d restored from %s (this run was set up with %d)", steps,
+                 step_dir, acc.grad_accum_steps)
+        acc._window.grad_accum_steps = steps
     acc.optimizer_steps = state["optimizer_steps"]
     acc.step_was_skipped = state["step_was_skipped"]
     for loader, saved in zip(acc._loaders, state["loaders"], strict=True):

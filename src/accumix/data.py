@@ -21,6 +21,7 @@ from torch.utils.data import (
 )
 
 from accumix.errors import ConfigError
+from accumix.sample_seeds import EpochSeedTagged, SeededCollate, SeededDataset, draws_nothing
 
 
 class ResumableSampler(DistributedSampler):
@@ -58,11 +59,18 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
 
 
 def _rebuild(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
+    """The user's loader around ``sampler``; unless the dataset draws nothing, each sample is
+    read under its own random streams (``accumix.sample_seeds``), so a resumed epoch augments
+    every sample as the uninterrupted run did, whatever the workers."""
+    dataset, indices, collate = loader.dataset, sampler, loader.collate_fn
+    if not draws_nothing(dataset):
+        dataset, indices = SeededDataset(dataset), EpochSeedTagged(sampler)
+        collate = SeededCollate(collate)
     kwargs: dict[str, Any] = {
         "batch_size": loader.batch_size,
-        "sampler": sampler,
+        "sampler": indices,
         "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
+        "collate_fn": collate,
         "pin_memory": loader.pin_memory,
         "drop_last": loader.drop_last,
         "timeout": loader.timeout,
@@ -74,7 +82,7 @@ def _rebuild(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
-    return DataLoader(loader.dataset, **kwargs)
+    return DataLoader(dataset, **kwargs)
 
 
 class AcceleratedDataLoader:
@@ -113,6 +121,7 @@ class AcceleratedDataLoader:
         self._move = device.type != "cpu"  # CPU tensors are already where they belong
         self._non_blocking = loader.pin_memory and device.type == "cuda"
         self.sampler: ResumableSampler | None = None
+        self._dataset = loader.dataset  # the user's (the rebuilt loader may hold a wrapper)
         self.epoch = 0
         self.position = 0  # batches yielded in the current epoch
         self._started = False  # the current epoch has begun: the next iter() starts another
@@ -164,7 +173,7 @@ class AcceleratedDataLoader:
 
     @property
     def dataset(self) -> Any:
-        return self.loader.dataset
+        return self._dataset
 
     @property
     def batch_size(self) -> int | None:

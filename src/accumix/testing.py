@@ -68,9 +68,11 @@ def spawn(fn: Callable[..., Any], nprocs: int = 2, args: tuple[Any, ...] = (),
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
+    # Not daemonic: a rank may start DataLoader workers. The ``finally`` below kills any rank
+    # still alive, so none outlives this call.
     procs = [
         ctx.Process(target=_run_rank, args=(fn, r, nprocs, port, args, env or {}, queue),
-                    daemon=True)
+                    daemon=False)
         for r in range(nprocs)
     ]
     for p in procs:

@@ -1,6 +1,8 @@
-"""Issue 14 on 2 ranks (gloo): an optimizer parameter without gradients under fsdp, and
-a pre-emption signal on one rank in an epoch's last window. One spawn saves, a second one (new
-processes and process group) resumes; both must end bit-identical to the uninterrupted run.
+"""Issues 14 and 12 on 2 ranks (gloo): an optimizer parameter without gradients under fsdp, a
+pre-emption signal on one rank in an epoch's last window, and a dataset drawing random
+augmentation (torch, numpy, python) under ddp and fsdp with 0 and 2 DataLoader workers. One
+spawn saves mid-epoch, a second one (new processes and process group) resumes; each must end
+bit-identical to the uninterrupted run.
 
 48 samples in micro-batches of 2 on 2 ranks, K=3: 4 windows an epoch, 2 epochs.
 """
@@ -8,6 +10,7 @@ processes and process group) resumes; both must end bit-identical to the uninter
 from __future__ import annotations
 
 import os
+import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 import accumix as ax
 from accumix.testing import spawn
@@ -23,6 +26,37 @@ from tests.scripts.resumable_train import build, dataset, params, train
 
 EPOCHS = 2
 UNUSED_HEAD = ["fsdp"]  # ddp shares the code path (one process: tests/unit)
+# (strategy, num_workers); persistent workers: tests/unit/test_data.py (a persistent
+# iterator dropped mid-epoch takes torch 20 s to shut down here).
+AUGMENTED = [("ddp", 0), ("ddp", 2), ("fsdp", 0), ("fsdp", 2)]
+
+
+class _Augmented(Dataset):
+    """The resumable job's samples with noise from all three global RNGs, drawn per read."""
+
+    def __init__(self) -> None:
+        self.data = dataset()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[index]
+        noise = 0.1 * torch.randn(6) + float(np.random.normal(0, 0.1)) + 0.1 * random.random()
+        return x + noise, y
+
+
+def _build_augmented(acc: ax.Accelerator, num_workers: int) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    # Workers forked, as under torchrun (these ranks were spawned: spawned workers would
+    # re-import torch, seconds each).
+    workers = {"num_workers": num_workers, "multiprocessing_context": "fork"} if (
+        num_workers) else {}
+    loader = DataLoader(_Augmented(), batch_size=2, shuffle=True, **workers)
+    return acc.setup(model, opt, loader, sched)
 
 
 class _WithUnusedHead(nn.Module):
@@ -88,12 +122,24 @@ def _save(tmp: str) -> dict[str, Any]:
         _job(strategy, _build_unused_head, run_dir=f"{tmp}/{strategy}", save_at={2}, stop_at=2)
     out["preempted-at"] = _preempt_last_window(f"{tmp}/preempted")
     out["ddp-plain"] = _job("ddp", build)
+    for strategy, workers in AUGMENTED:
+        def builder(acc: ax.Accelerator, workers: int = workers) -> tuple[Any, ...]:
+            return _build_augmented(acc, workers)
+        name = f"{strategy}-aug-{workers}"
+        if not workers:  # the uninterrupted run: with workers it must be the same model
+            out[name] = _job(strategy, builder)
+        # Step 5: two batches into epoch 1's second window (mid-epoch, mid-worker-prefetch).
+        _job(strategy, builder, run_dir=f"{tmp}/{name}", save_at={5}, stop_at=5)
     return out
 
 
 def _resume(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {s: _job(s, _build_unused_head, load=f"{tmp}/{s}") for s in UNUSED_HEAD}
     out["preempted"] = _job("ddp", build, load=f"{tmp}/preempted")
+    for strategy, workers in AUGMENTED:
+        name = f"{strategy}-aug-{workers}"
+        out[name] = _job(strategy, lambda acc, w=workers: _build_augmented(acc, w),
+                         load=f"{tmp}/{name}")
     return out
 
 
@@ -114,7 +160,14 @@ def test_resume_edge_cases_on_two_ranks(tmp_path: Path) -> None:
     resumed = spawn(_resume, nprocs=2, args=(str(tmp_path),))[0]
     diffs = {s: _max_diff(resumed[s], saved[s]) for s in UNUSED_HEAD}
     diffs["preempted"] = _max_diff(resumed["preempted"], saved["ddp-plain"])
-    assert diffs == {"fsdp": 0.0, "preempted": 0.0}, diffs
+    for strategy, workers in AUGMENTED:
+        # The augmentation depends on the sample only: resumed with 2 workers, the model is the
+        # one trained uninterrupted with none.
+        diffs[f"{strategy}-aug-{workers}"] = _max_diff(resumed[f"{strategy}-aug-{workers}"],
+                                                      saved[f"{strategy}-aug-0"])
+    assert diffs == dict.fromkeys(diffs, 0.0), diffs
+    for strategy, workers in AUGMENTED:
+        assert _equal(resumed[f"{strategy}-aug-{workers}"], saved[f"{strategy}-aug-0"])
     for strategy in UNUSED_HEAD:
         assert "extra.weight" in resumed[strategy]
         assert _equal(resumed[strategy], saved[strategy]), strategy
