@@ -187,7 +187,26 @@ def _resume_on_two_ranks(tmp: str) -> dict[str, Any]:
             build(acc, dropout=0.2, micro_batch=MICRO_BATCH)
             acc.load_state(f"{tmp}/{saver}")
             out[("scaler", saver, loader)] = (acc.strategy.scaler.state_dict(), acc.loss_scale)
+        out["scaler_trace"] = _scaler_trace()
     return out
+
+
+def _scaler_trace() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """DeepSpeed's DynamicLossScaler and accumix's DynamicLossScale through the same overflows
+    (no growth in between, where their rules differ by one step): the mapped states agree."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from accumix.strategies.deepspeed_state import scaler_state
+
+    engine = DynamicLossScaler(init_scale=1024.0, scale_window=1000, min_scale=1.0,
+                               delayed_shift=2, consecutive_hysteresis=False)
+    ours = ax.DynamicLossScale(init_scale=1024.0, hysteresis=2)
+    trace = []
+    for overflow in (False, True, False, False, True, True, False):
+        engine.update_scale(overflow)
+        ours.update(overflow)
+        trace.append((scaler_state(engine), ours.state_dict()))
+    return trace
 
 
 def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -259,3 +278,6 @@ def _check_matrix(saved: dict[Any, Any], one: dict[Any, Any], resumed: dict[Any,
         assert ddp_scaler == ds_scaler == {"scale": 1024.0, "clean_steps": 3, "budget": 2}
         for pair in (("ddp", "deepspeed"), ("deepspeed", "ddp")):
             assert resumed[("scaler", *pair)] == (ddp_scaler, 1024.0), (pair, resumed)
+        trace = resumed["scaler_trace"]
+        assert all(engine == ours for engine, ours in trace), trace
+        assert trace[-1][1] == {"scale": 256.0, "clean_steps": 1, "budget": 1}
