@@ -51,6 +51,14 @@ log = logging.getLogger("accumix")
 FORMAT = 1
 MODEL_DIR = "model"
 SCHEDULERS = "schedulers.pt"
+# Formats this accumix no longer reads: what wrote them and what still loads them.
+_RETIRED_FORMATS = {
+    "deepspeed": "{path} holds DeepSpeed's own engine checkpoint (checkpoint_format='deepspeed', "
+                 "written by strategy='deepspeed' in accumix {version}), which this accumix no "
+                 "longer reads: strategy='deepspeed' now saves the format every strategy shares; "
+                 "resume it with accumix {version} on {world} ranks, or rebuild its weights with "
+                 "DeepSpeed's zero_to_fp32.py on {path}/model",
+}
 _STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "models",
                "optimizers", "schedulers", "loaders")
 
@@ -318,6 +326,9 @@ def _validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
                 f"{file} has {file.stat().st_size} bytes where {size} were written (truncated "
                 f"or overwritten); {alternatives(step_dir)}"
             )
+    if meta.get("checkpoint_format") in _RETIRED_FORMATS:
+        raise CheckpointError(_RETIRED_FORMATS[meta["checkpoint_format"]].format(
+            path=step_dir, version=meta.get("accumix_version"), world=meta["world_size"]))
     expected = {
         "format": FORMAT,
         "checkpoint_format": acc.strategy.checkpoint_format,

@@ -62,14 +62,7 @@ def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
     state = _state(models, optimizers)
     partial = False
     for i in range(len(models)):
-        missing, unexpected = _compare_keys(state[f"model{i}"], saved, f"model{i}.")
-        if strict and (missing or unexpected):
-            raise CheckpointError(
-                f"{directory} does not fit model {i}: the model has {_some(missing)} that the "
-                f"checkpoint lacks, the checkpoint has {_some(unexpected)} that the model "
-                "lacks; load it into the model it was saved from, or pass strict=False to load "
-                "the keys both have"
-            )
+        missing = check_model_keys(directory, i, state[f"model{i}"], saved, strict=strict)
         for key in missing:
             del state[f"model{i}"][key]
         partial = partial or bool(missing)
@@ -95,6 +88,24 @@ def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
         opts = _owned(model, optimizers)
         set_state_dict(model, opts, model_state_dict=state[f"model{i}"],
                        optim_state_dict=state.get(f"optim{i}", {}), options=options)
+
+
+def check_model_keys(directory: str, index: int, model_state: dict[str, Any], saved: set[str],
+                     *, strict: bool) -> list[str]:
+    """The model's keys that the checkpoint's ``model{index}.`` entries lack.
+
+    Raises:
+        CheckpointError: with ``strict``, keys one side has and the other lacks (named).
+    """
+    missing, unexpected = _compare_keys(model_state, saved, f"model{index}.")
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{directory} does not fit model {index}: the model has {_some(missing)} that the "
+            f"checkpoint lacks, the checkpoint has {_some(unexpected)} that the model "
+            "lacks; load it into the model it was saved from, or pass strict=False to load "
+            "the keys both have"
+        )
+    return missing
 
 
 def _compare_keys(model_state: dict[str, Any], saved: set[str], prefix: str

@@ -14,6 +14,15 @@ C. 1 rank (the test's own process): the 2-rank fp32 checkpoints of ddp, zero1 an
 B. 2 ranks, new processes and process group: each strategy resumes from ``latest`` (step 3) and
    from step 1 and must end bit-identical to A's reference; a truncated checkpoint is refused on
    every rank and the previous one still loads; C's 1-rank checkpoints continue on 2 ranks.
+
+The cross-strategy matrix rides in the same three jobs (a spawn and DeepSpeed's import cost
+seconds): fp32, AdamW + StepLR, 48 samples in windows of 12 (2 ranks: micro-batch 2, K=3; one
+rank: K=6), a checkpoint after step 2 of 4. A saves from ddp, zero1, fsdp and deepspeed
+(ZeRO-3) on 2 ranks and loads each into every 2-rank strategy (deepspeed ZeRO-3); C loads
+those into every 1-rank strategy (deepspeed ZeRO-2) and saves from each on one rank (deepspeed
+ZeRO-1); B loads C's into every 2-rank strategy (deepspeed ZeRO-1). Every end state must match
+the uninterrupted large-batch plain-PyTorch loop, and a same-strategy 2 -> 2 resume must be
+bit-identical to that strategy's uninterrupted run.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 import accumix as ax
 from accumix.checkpoint import CheckpointError
 from accumix.testing import spawn
+from tests import workloads as w
 from tests.scripts.resumable_train import build, params, train
 
 EPOCHS, MICRO_BATCH = 2, 4
@@ -37,6 +47,10 @@ STRATEGIES = ["ddp", "zero1", "fsdp"]
 if importlib.util.find_spec("deepspeed") is not None:
     STRATEGIES.append("deepspeed")
 RESHARDABLE = ["ddp", "zero1", "fsdp"]
+MATRIX = [*RESHARDABLE, *(["deepspeed"] if "deepspeed" in STRATEGIES else [])]
+# The ZeRO stage of a deepspeed saver (by world size) and loader (by "saved->loaded" world).
+SAVE_STAGE, LOAD_STAGE = {2: 3, 1: 1}, {"2->2": 3, "2->1": 2, "1->2": 1}
+M_SAMPLES, M_MICRO, M_WINDOW, M_SAVE_AT = 48, 2, 12, 2
 
 
 def _accelerator(strategy: str, precision: str = "fp16-mixed", steps: int = 3
@@ -71,8 +85,61 @@ def _run(strategy: str, *, precision: str = "fp16-mixed", steps: int = 3, dropou
     return {k: v.float().numpy() for k, v in params(acc, objects[0]).items()}, acc.optimizer_steps
 
 
+def _matrix_reference() -> dict[str, np.ndarray]:
+    """Plain PyTorch: one AdamW step per window of 12 consecutive samples, StepLR after it."""
+    model = w.make_model()
+    opt, sched = _matrix_optim(model)
+    for batch in torch.utils.data.DataLoader(w.regression_data(M_SAMPLES), batch_size=M_WINDOW):
+        opt.zero_grad()
+        w.mean_loss(model, batch).backward()
+        opt.step()
+        sched.step()
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _matrix_optim(model: torch.nn.Module) -> tuple[Any, Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+
+
+def _matrix_run(strategy: str, world: int, *, stage: int = 2, load: str | None = None,
+                save: str | None = None) -> dict[str, np.ndarray]:
+    """The matrix job to its end; ``save``: a checkpoint after step 2 on the way."""
+    chosen: Any = ax.DeepSpeedStrategy(stage=stage) if strategy == "deepspeed" else strategy
+    acc = ax.Accelerator(strategy=chosen, precision="fp32", seed=0,
+                         grad_accum_steps=M_WINDOW // (M_MICRO * world))
+    model = w.make_model()
+    opt, sched = _matrix_optim(model)
+    loader = torch.utils.data.DataLoader(w.regression_data(M_SAMPLES), batch_size=M_MICRO)
+    model, opt, loader, sched = acc.setup(model, opt, loader, sched)
+    if load is not None:
+        acc.load_state(load)
+    for batch in loader:
+        with acc.accumulate():
+            acc.backward(w.mean_loss(model, batch))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if save is not None and acc.sync_gradients and acc.optimizer_steps == M_SAVE_AT:
+            acc.save_state(save)
+    assert acc.optimizer_steps == M_SAMPLES // M_WINDOW
+    return {k: v.float().numpy() for k, v in params(acc, model).items()}
+
+
+def _matrix_loads(tmp: str, saved: str, loaded: str, loaders: list[str]) -> dict[str, Any]:
+    """Every saver's world-``saved`` checkpoint loaded into each of ``loaders`` and trained on."""
+    world, stage = int(loaded), LOAD_STAGE[f"{saved}->{loaded}"]
+    return {(saver, strategy, f"{saved}->{loaded}"): _matrix_run(
+        strategy, world, stage=stage, load=f"{tmp}/m{saved}-{saver}")
+        for saver in MATRIX for strategy in loaders}
+
+
 def _save_on_two_ranks(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for saver in MATRIX:  # first: the uninterrupted run that saves on the way
+        out[("straight", saver)] = _matrix_run(saver, 2, stage=SAVE_STAGE[2],
+                                               save=f"{tmp}/m2-{saver}")
+    out.update(_matrix_loads(tmp, "2", "2", MATRIX))
     for strategy in STRATEGIES:
         out[strategy] = _run(strategy)
         _run(strategy, stop_at=3, save_at={1, 3}, run_dir=f"{tmp}/{strategy}")
@@ -90,6 +157,9 @@ def _on_one_rank(tmp: str) -> dict[str, Any]:
                              load=f"{tmp}/{strategy}-fp32")
         _run(strategy, precision="fp32", steps=6, dropout=0.0, stop_at=1, save_at={1},
              run_dir=f"{tmp}/{strategy}-one")
+    out.update(_matrix_loads(tmp, "2", "1", ["single", *MATRIX]))
+    for saver in MATRIX:
+        _matrix_run(saver, 1, stage=SAVE_STAGE[1], save=f"{tmp}/m1-{saver}")
     out["single"] = _run("single")
     _run("single", stop_at=3, save_at={1, 3}, run_dir=f"{tmp}/single")
     out["single-resumed"] = _run("single", load=f"{tmp}/single")
@@ -110,7 +180,33 @@ def _resume_on_two_ranks(tmp: str) -> dict[str, Any]:
     for strategy in RESHARDABLE:  # 1 -> 2
         out[f"{strategy}-from-one"] = _run(strategy, precision="fp32", dropout=0.0,
                                            load=f"{tmp}/{strategy}-one")
+    out.update(_matrix_loads(tmp, "1", "2", MATRIX))
+    if "deepspeed" in STRATEGIES:  # fp16: the loss scale crosses between ddp and the engine
+        for saver, loader in (("ddp", "deepspeed"), ("deepspeed", "ddp")):
+            acc = _accelerator(loader)
+            build(acc, dropout=0.2, micro_batch=MICRO_BATCH)
+            acc.load_state(f"{tmp}/{saver}")
+            out[("scaler", saver, loader)] = (acc.strategy.scaler.state_dict(), acc.loss_scale)
+        out["scaler_trace"] = _scaler_trace()
     return out
+
+
+def _scaler_trace() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """DeepSpeed's DynamicLossScaler and accumix's DynamicLossScale through the same overflows
+    (no growth in between, where their rules differ by one step): the mapped states agree."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from accumix.strategies.deepspeed_state import scaler_state
+
+    engine = DynamicLossScaler(init_scale=1024.0, scale_window=1000, min_scale=1.0,
+                               delayed_shift=2, consecutive_hysteresis=False)
+    ours = ax.DynamicLossScale(init_scale=1024.0, hysteresis=2)
+    trace = []
+    for overflow in (False, True, False, False, True, True, False):
+        engine.update_scale(overflow)
+        ours.update(overflow)
+        trace.append((scaler_state(engine), ours.state_dict()))
+    return trace
 
 
 def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -147,8 +243,43 @@ def test_resume_exact_and_reshard(tmp_path: Path) -> None:
     assert "step-1" in resumed["torn"]  # it names the checkpoint that still loads
     assert _equal(resumed["torn-previous"][0], saved["ddp"][0])
 
+    _check_matrix(saved, one, resumed, tmp_path)
+
     for strategy in RESHARDABLE:
         reference = saved[f"{strategy}-fp32"]
         assert one[strategy][1] == 4 and resumed[f"{strategy}-from-one"][1] == 4
         assert _max_diff(one[strategy][0], reference[0]) < RESHARD_TOL, strategy
         assert _max_diff(resumed[f"{strategy}-from-one"][0], reference[0]) < RESHARD_TOL
+
+
+def _check_matrix(saved: dict[Any, Any], one: dict[Any, Any], resumed: dict[Any, Any],
+                  tmp_path: Path) -> None:
+    reference = _matrix_reference()
+    loads = {k: v for part in (saved, one, resumed) for k, v in part.items()
+             if isinstance(k, tuple) and len(k) == 3 and k[0] != "scaler"}
+    expected = len(MATRIX) * (len(MATRIX) * 2 + len(MATRIX) + 1)  # 2->2, 1->2; 2->1 (+single)
+    assert len(loads) == expected, (len(loads), expected)
+    diffs = {key: _max_diff(got, reference) for key, got in loads.items()}
+    for saver in MATRIX:
+        diffs[("straight", saver)] = _max_diff(saved[("straight", saver)], reference)
+        # Same strategy and world size: bit for bit.
+        assert _equal(saved[(saver, saver, "2->2")], saved[("straight", saver)]), saver
+    for way in ("2->2", "2->1", "1->2"):  # the numbers, for a reader of `pytest -s`
+        part = {k: d for k, d in diffs.items() if k[-1] == way}
+        worst = max(part, key=part.__getitem__)
+        print(f"matrix {way}: {len(part)} loads, max |param - plain PyTorch| = "
+              f"{part[worst]:.2e} ({worst[0]} -> {worst[1]})")
+    bad = {k: d for k, d in diffs.items() if not d < RESHARD_TOL}
+    assert not bad, bad
+    if "deepspeed" in STRATEGIES:  # the same run's scaler state, whichever strategy wrote it
+        import json
+
+        metas = {s: json.loads((tmp_path / s / "step-3" / "meta.json").read_text())
+                 for s in ("ddp", "deepspeed")}
+        ddp_scaler, ds_scaler = (metas[s]["state"]["scaler"] for s in ("ddp", "deepspeed"))
+        assert ddp_scaler == ds_scaler == {"scale": 1024.0, "clean_steps": 3, "budget": 2}
+        for pair in (("ddp", "deepspeed"), ("deepspeed", "ddp")):
+            assert resumed[("scaler", *pair)] == (ddp_scaler, 1024.0), (pair, resumed)
+        trace = resumed["scaler_trace"]
+        assert all(engine == ours for engine, ours in trace), trace
+        assert trace[-1][1] == {"scale": 256.0, "clean_steps": 1, "budget": 1}

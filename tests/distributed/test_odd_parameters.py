@@ -2,7 +2,8 @@
 PyTorch on the gathered batch. fsdp: the infinity-norm clip with a parameter smaller than the
 world, two models' own item counts. DeepSpeed ZeRO-3: save_model with a trainable parameter
 outside the optimizer, a parameter unused on a window's first micro-step; DeepSpeed's second
-step in one boundary.
+step in one boundary; checkpoints between ddp and DeepSpeed ZeRO-2/3 with a frozen parameter, a
+trainable one outside the optimizer, and an optimizer that has not stepped yet.
 
 One spawned job runs every check (a spawn plus DeepSpeed's import costs seconds).
 """
@@ -146,6 +147,64 @@ def _zero3_untracked_save(out_dir: str) -> dict[str, Any]:
     return out
 
 
+def _odd_model() -> tuple[nn.Module, list[nn.Parameter]]:
+    """make_model with ``0.bias`` frozen and the head outside the optimizer."""
+    model = w.make_model()
+    model[0].bias.requires_grad_(False)
+    return model, [model[0].weight]
+
+
+def _odd_reference(data: Any) -> dict[str, torch.Tensor]:
+    model, held = _odd_model()
+    opt = torch.optim.AdamW(held, lr=0.02, weight_decay=0.01)
+    for batch in DataLoader(data, batch_size=8):
+        opt.zero_grad()
+        w.mean_loss(model, batch).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def _odd_run(data: Any, strategy: Any, *, load: str | None = None, save: str | None = None,
+             save_at: int = 0) -> dict[str, torch.Tensor]:
+    acc = ax.Accelerator(strategy=strategy, precision="fp32", seed=0)
+    model, held = _odd_model()
+    opt = torch.optim.AdamW(held, lr=0.02, weight_decay=0.01)
+    model, opt, loader = acc.setup(model, opt, DataLoader(data, batch_size=4))
+    if load is not None:
+        acc.load_state(load)
+    if save is not None and save_at == 0:
+        acc.save_state(save)  # before any step: the optimizer has no state
+    for batch in loader:
+        with acc.accumulate():
+            acc.backward(w.mean_loss(model, batch))
+            opt.step()
+            opt.zero_grad()
+        if save is not None and acc.optimizer_steps == save_at:
+            acc.save_state(save)
+    return {k: v.clone() for k, v in acc.strategy.full_state_dict(model).items()}
+
+
+def _odd_checkpoints(out_dir: str) -> dict[str, float]:
+    """(saver, save step) -> loader, each trained to the end and compared to plain PyTorch."""
+    data = w.regression_data(32)
+    ref = _odd_reference(data)
+    def strategy(word: str) -> Any:  # a strategy object serves one Accelerator
+        return ax.DeepSpeedStrategy(stage=int(word[-1])) if word.startswith("ds") else word
+
+    out: dict[str, float] = {}
+    for name, saver, step, loader in (("ds3-0", "ds3", 0, "ddp"), ("ddp-0", "ddp", 0, "ds2"),
+                                      ("ds3-2", "ds3", 2, "ds2"), ("ddp-2", "ddp", 2, "ds3")):
+        out[f"{name}-saver"] = _diff(ref, _odd_run(data, strategy(saver),
+                                                   save=f"{out_dir}/{name}", save_at=step))
+        out[name] = _diff(ref, _odd_run(data, strategy(loader), load=f"{out_dir}/{name}"))
+    return out
+
+
+def _diff(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
+    assert ref.keys() == got.keys(), (sorted(ref), sorted(got))
+    return max((ref[k] - got[k].cpu()).abs().max().item() for k in ref)
+
+
 def _deepspeed_second_step() -> str:
     """Item 9: ddp, zero1 and fsdp step again as torch does; the engine steps once a window."""
     acc = ax.Accelerator(strategy=ax.DeepSpeedStrategy(stage=2), precision="fp32")
@@ -184,6 +243,7 @@ def _all_checks(out_dir: str) -> dict[str, Any]:
         out["zero2_unused_first"] = _zero3_unused_first(2)
         out["zero3_untracked_save"] = _zero3_untracked_save(out_dir)
         out["second_step"] = _deepspeed_second_step()
+        out["odd_checkpoints"] = _odd_checkpoints(out_dir)
     return out
 
 
@@ -199,6 +259,7 @@ def test_odd_parameters_two_ranks(tmp_path: Path) -> None:
         assert r["zero3_unused_first"] <= TOL, (rank, r["zero3_unused_first"])
         assert r["zero2_unused_first"] <= TOL, (rank, r["zero2_unused_first"])
         assert "once" in r["second_step"] and "\n" not in r["second_step"], r["second_step"]
+        assert max(r["odd_checkpoints"].values()) <= TOL, (rank, r["odd_checkpoints"])
     saved = results[0]["zero3_untracked_save"]
     if HAS_DEEPSPEED:
         assert saved["keys"] and saved["diff"] <= TOL, saved

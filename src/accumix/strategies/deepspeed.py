@@ -35,7 +35,12 @@ façade:
   window's leftover added (``clear_stage3_grad_partitions``);
 * ``full_state_dict``: trainable parameters the optimizer does not hold have no fp32 master
   (ZeRO-3's ``safe_get_full_fp32_param`` raises ``KeyError``): they come from the module, as
-  frozen ones do.
+  frozen ones do;
+* checkpoints: the format the other strategies share (``torch.distributed.checkpoint``, keys
+  ``model0.<fqn>`` and torch's FQN-keyed optimizer state, ``deepspeed_state``), so a state
+  saved under deepspeed at any world size and ZeRO stage loads into single, ddp, zero1, fsdp or
+  deepspeed at any world size, and the other way round. The fp16 loss scale lives in the
+  engine; the scaler proxy's ``state_dict`` maps it to ``DynamicLossScale``'s.
 
 Not supported: ``offload_optimizer`` (the gradients then live in DeepSpeed's CPU buffers) and
 more than one model per strategy (one engine owns one model and one optimizer).
@@ -60,6 +65,7 @@ from accumix.compile import Compiler, reporting_failures
 from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.strategies import deepspeed_state
 from accumix.strategies.base import Strategy
 from accumix.strategies.deepspeed_config import (
     deepspeed_config,
@@ -74,8 +80,6 @@ from accumix.strategies.deepspeed_engine import (
     skip_cpu_shm_build,
 )
 
-_TAG = "engine-{index}"
-
 
 # -- the loss scale --------------------------------------------------------------------------
 class EngineLossScale(NoLossScale):
@@ -84,10 +88,35 @@ class EngineLossScale(NoLossScale):
     ``scale`` is 1.0, so the façade multiplies the loss by nothing and its boundary factor
     holds no unscaling; ``enabled`` keeps fp16's item hint (summed losses divided by the usual
     item count, so they stay in fp16's range). ``acc.loss_scale`` reads the engine's scale
-    through ``Strategy.loss_scale``; its state is in the engine's checkpoint.
+    through ``Strategy.loss_scale``. ``state_dict`` / ``load_state_dict`` read and write the
+    engine's ``DynamicLossScaler`` in ``DynamicLossScale``'s form (``deepspeed_state``), so the
+    scale, its clean-step count and hysteresis budget carry across strategies; before an engine
+    exists they are the configured scaler's.
     """
 
     enabled = True
+
+    def __init__(self, configured: DynamicLossScale, engines: list[Any]) -> None:
+        self._configured = configured
+        self._engines = engines
+
+    def _engine_scaler(self) -> Any:
+        scaler = getattr(self._engines[0].optimizer, "loss_scaler", None) if (
+            self._engines) else None
+        return scaler if hasattr(scaler, "cur_hysteresis") else None
+
+    def state_dict(self) -> dict[str, Any]:
+        scaler = self._engine_scaler()
+        if scaler is None:
+            return self._configured.state_dict()
+        return deepspeed_state.scaler_state(scaler)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        scaler = self._engine_scaler()
+        if scaler is None:
+            self._configured.load_state_dict(state)
+        else:
+            deepspeed_state.load_scaler_state(scaler, state)
 
 
 # -- the strategy ----------------------------------------------------------------------------
@@ -130,6 +159,7 @@ class DeepSpeedStrategy(Strategy):
         self._engine_of: dict[int, Any] = {}  # id(user's optimizer) -> engine
         self._scale_updates: dict[int, Callable[[], None]] = {}  # id(engine) -> deferred update
         self._trained: dict[int, set[int]] = {}  # id(engine) -> ids of its optimizer's params
+        self._groups: dict[int, list[list[str]]] = {}  # id(engine) -> param groups' FQNs
         self._stepped: set[int] = set()  # ids of engines stepped since their last backward
         self._owns_group = False
 
@@ -138,7 +168,7 @@ class DeepSpeedStrategy(Strategy):
         super().connect(launch=launch, device=device, policy=policy, scaler=scaler)
         if isinstance(scaler, DynamicLossScale):
             self._fp16 = scaler
-            self.scaler = EngineLossScale()
+            self.scaler = EngineLossScale(scaler, self._engines)
         else:
             self.scaler = NoLossScale()
 
@@ -173,6 +203,7 @@ class DeepSpeedStrategy(Strategy):
         # Read before the engine takes the optimizer over (ZeRO-3 re-points its groups at flat
         # partitions): a trainable parameter outside it has no fp32 master to save.
         trained = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
+        groups = deepspeed_state.group_fqns(model, optimizers[0])
         model = autocast_forward(model.to(self.device), self.policy, self.device)
         try:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers[0],
@@ -185,11 +216,11 @@ class DeepSpeedStrategy(Strategy):
                 ) from exc
             raise
         engine.set_gradient_accumulation_boundary(True)
-        _read_weights_only(engine)
         self._scale_updates[id(engine)] = defer_scale_update(engine.optimizer)
         self._engines.append(engine)
         self._engine_of[id(optimizers[0])] = engine
         self._trained[id(engine)] = trained
+        self._groups[id(engine)] = groups
         return engine, optimizers
 
     def _ensure_process_group(self) -> None:
@@ -312,65 +343,32 @@ class DeepSpeedStrategy(Strategy):
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The module's state dict with every trainable parameter as its full fp32 master
         weight (gathered across partitions: collective), buffers as the module holds them."""
-        from deepspeed.utils import safe_get_full_fp32_param
-
         engine = self._engine(model)
-        module, trained = engine.module, self._trained.get(id(engine), set())
-        gather: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        # Frozen parameters, and trainable ones the optimizer does not hold (they have no fp32
-        # master: ZeRO-3's safe_get_full_fp32_param raises KeyError on them), come from the
-        # module; the optimizer's come one at a time from their masters.
-        plain = [p for p in module.parameters() if not p.requires_grad or id(p) not in trained]
-        if self.stage == 3 and plain:
-            import deepspeed
+        return deepspeed_state.full_state(engine, self._trained.get(id(engine), set()),
+                                          self.stage)
 
-            gather = deepspeed.zero.GatheredParameters(plain)
-        with gather:  # ZeRO-3 re-partitions on exit: keep copies
-            state = {k: v.detach().clone() if self.stage == 3 else v.detach()
-                     for k, v in module.state_dict().items()}
-        names: dict[int, list[str]] = {id(p): [] for p in module.parameters()}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            names[id(p)].append(name)
-        for p in module.parameters():
-            full = safe_get_full_fp32_param(p) if p.requires_grad and id(p) in trained else None
-            if full is not None:
-                for name in names[id(p)]:
-                    state[name] = full.detach().reshape(p.ds_shape if hasattr(p, "ds_shape")
-                                                        else p.shape).clone()
-        return state
+    @property
+    def checkpoint_format(self) -> str:
+        return "dcp"
 
     def save_checkpoint(self, directory: str, models: list[nn.Module],
                         optimizers: list[Optimizer]) -> None:
-        """The engine's own checkpoint (``engine.save_checkpoint`` under the tag ``engine-0``):
-        module, ZeRO-partitioned optimizer states with fp32 masters, loss scaler, step counters.
-        Collective; each rank writes its partition."""
-        for index, model in enumerate(models):
-            self._engine(model).save_checkpoint(directory, tag=_TAG.format(index=index),
-                                                save_latest=False)
+        """The engine's module and optimizer as ``save_sharded`` writes a plain model and
+        optimizer: full fp32 masters and Adam-style states per parameter name, the param
+        groups' hyper-parameters (``deepspeed_state``). Collective."""
+        for model, optimizer in zip(models, optimizers, strict=True):
+            engine = self._engine(model)
+            deepspeed_state.save(directory, engine, optimizer, self._groups[id(engine)],
+                                 self._trained[id(engine)], self.stage)
 
     def load_checkpoint(self, directory: str, models: list[nn.Module],
                         optimizers: list[Optimizer], *, strict: bool = True) -> None:
-        """Reads what ``save_checkpoint`` wrote through ``engine.load_checkpoint``, every file
-        with ``torch.load(weights_only=True)`` (DeepSpeed's four state classes allowed).
-
-        Raises:
-            ConfigError: the checkpoint was saved on another data-parallel world size
-                (DeepSpeed's partitions do not reshard; convert it with DeepSpeed's universal
-                checkpoint tools), or the tag is missing.
-        """
-        for index, model in enumerate(models):
-            engine, tag = self._engine(model), _TAG.format(index=index)
-            saved_world = len(list((Path(directory) / tag).glob("*zero_pp_rank_*_optim_states.pt")))
-            if saved_world != self.dp_world_size:
-                raise ConfigError(
-                    f"{directory}/{tag} holds DeepSpeed partitions of {saved_world} ranks, this "
-                    f"run has {self.dp_world_size}; resume on {saved_world} ranks"
-                )
-            path, _ = engine.load_checkpoint(directory, tag=tag, load_module_strict=strict,
-                                             load_optimizer_states=True,
-                                             load_lr_scheduler_states=False)
-            if path is None:
-                raise ConfigError(f"{directory}/{tag} holds no DeepSpeed checkpoint")
+        """Reads a checkpoint of any strategy on the default format, saved on any world size,
+        into the engine (``deepspeed_state``); ``strict`` as for the other strategies."""
+        for model, optimizer in zip(models, optimizers, strict=True):
+            engine = self._engine(model)
+            deepspeed_state.load(directory, engine, optimizer, self._groups[id(engine)],
+                                 self._trained[id(engine)], self.stage, strict=strict)
             engine.set_gradient_accumulation_boundary(True)
 
     def teardown(self) -> None:
@@ -380,6 +378,7 @@ class DeepSpeedStrategy(Strategy):
         self._engines.clear()
         self._engine_of.clear()
         self._trained.clear()
+        self._groups.clear()
         self._stepped.clear()
         # DeepSpeed caches a clone of the world group per process; the Accelerator may destroy
         # the world next, and an engine built later (a new Accelerator) must not use the stale
@@ -393,23 +392,3 @@ class DeepSpeedStrategy(Strategy):
             dist.destroy_process_group()
             self._owns_group = False
 
-
-def _load_weights_only(path: str, map_location: Any = None) -> Any:
-    """DeepSpeed's checkpoint read without unpickling arbitrary objects (DESIGN.md rule 6):
-    tensors, containers and the four plain state classes DeepSpeed's ZeRO files hold."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    allowed = [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def _read_weights_only(engine: Any) -> None:
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
-        TorchCheckpointEngine,
-    )
-
-    if type(engine.checkpoint_engine) is TorchCheckpointEngine:  # the default; others left be
-        engine.checkpoint_engine.load = _load_weights_only
