@@ -20,9 +20,10 @@ would have to become a ``StatefulDataLoader``.
 
 The sampler hands the dataset ``(seed, epoch, index)`` keys (``EpochSeedTagged``); the workers
 need no message from the main process when an epoch starts, so persistent workers work too.
-The collate runs under streams of its batch's first key (``SeededCollate``). Cost: ~8 us a
-sample, and in the main process (``num_workers=0``) ~80 us a batch to save and restore the
-states (numpy's ``get_state``/``set_state`` are most of it).
+The collate runs under streams of its batch's first key (``SeededCollate``). Cost: ~23 us a
+sample (re-seeding three Mersenne twisters and their first draw after it; bench/sample_seeds.py),
+and in the main process (``num_workers=0``) ~80 us a batch to save and restore the states
+(numpy's ``get_state``/``set_state`` are most of it).
 """
 
 from __future__ import annotations
