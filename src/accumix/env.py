@@ -113,7 +113,8 @@ def _teardown_at_exit() -> None:
     GIL acquire calls ``pthread_exit`` in that non-Python thread; the forced unwind runs into
     the work's ``noexcept`` destructor and ``std::terminate``: "terminate called without an
     active exception", SIGABRT, after a job that finished. The backtrace of the aborting
-    thread: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
+    thread (two cores, after an all-reduce and an all-gather): ``ProcessGroupGloo::runLoop`` ->
+    ``~AsyncAllreduceWork`` / ``~AsyncAllgatherWork`` ->
     ``TensorImpl::decref_pyobject`` -> ``gil_scoped_acquire`` -> ``take_gil`` ->
     ``PyThread_exit_thread`` -> ``_Unwind_ForcedUnwind`` -> ``std::terminate``, the main
     thread in ``Py_FinalizeEx``. A loaded machine widens the gap (the worker is preempted
