@@ -119,9 +119,10 @@ def _teardown_at_exit() -> None:
     ``PyThread_exit_thread`` -> ``_Unwind_ForcedUnwind`` -> ``std::terminate``, the main
     thread in ``Py_FinalizeEx``. A loaded machine widens the gap (the worker is preempted
     right after the completion). ``destroy_process_group`` does not close it: it only drops
-    c10d's registry's references; DDP's reducer, ZeRO, FSDP2 and DeepSpeed keep the gloo
-    backend alive, whose destructor (which joins the threads) then runs late or never, and
-    gloo's ``shutdown``/``abort`` stop nothing on the CPU.
+    c10d's own references, and other holders (the wrapped modules and optimizers, torch's
+    registries) keep the gloo backend alive: its worker threads were still running after it
+    and a ``gc.collect()`` under zero1, fsdp and deepspeed. The backend's destructor, which
+    joins them, runs late or never; its ``shutdown()`` and ``abort()`` stop no thread.
     """
     if _created_group and dist.is_initialized():
         dist.destroy_process_group()
