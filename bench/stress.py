@@ -11,7 +11,8 @@ then rank 0 prints the result line and the job ends one of three ways:
 
 * ``end``: ``acc.end()``, then the script returns (the README's loop);
 * ``no-end``: the script returns without ``acc.end()`` (the teardown is all at exit);
-* ``preempt``: ``SystemExit(0)`` right after a save, what ``handle_preemption`` raises.
+* ``preempt``: ``SystemExit(0)`` instead of ``acc.end()`` (what ``handle_preemption`` raises
+  after its save).
 
 The jobs cycle strategy-major through ``--strategies`` x ``--endings``. A job is abnormal when
 the launcher's status is not 0, a rank was killed by a signal, the output says "terminate
