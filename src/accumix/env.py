@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import random
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -57,7 +58,11 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
     Returns:
         True if this call created the group; it is then destroyed when the process exits.
     """
-    if not launch.distributed or dist.is_initialized():
+    global _created_group
+    if not launch.distributed:
+        return False
+    _register_exit_teardown()  # a group the script made itself has gloo threads to wait for too
+    if dist.is_initialized():
         return False
     if not dist.is_available():
         raise ConfigError("this torch build has no torch.distributed; install a build with it")
@@ -77,13 +82,95 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
         timeout=timedelta(seconds=timeout),
         **kwargs,
     )
-    atexit.register(_destroy_process_group)
+    _created_group = True
     return True
 
 
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
+# -- at exit -----------------------------------------------------------------------------------
+# torch names the worker threads of a gloo process group so (c10::setThreadName).
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+_created_group = False
+_exit_registered = False
+
+
+def _register_exit_teardown() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        # Registered before the watchdog's handler, so it runs after it: the last thing
+        # accumix does before the interpreter finalizes.
+        atexit.register(_teardown_at_exit)
+        _exit_registered = True
+
+
+def _teardown_at_exit() -> None:
+    """Destroys the group accumix made, then waits until gloo's worker threads are idle.
+
+    Why the wait: a gloo worker thread marks a collective complete (the main thread's
+    ``wait()`` returns) and only *then* drops its reference to the work, whose tensors it
+    frees. A tensor that Python already let go of is kept alive by that reference with its
+    Python object (torch's PyObject preservation), so freeing it takes the GIL. If the main
+    thread has meanwhile begun finalizing the interpreter (after the atexit handlers), the
+    GIL acquire calls ``pthread_exit`` in that non-Python thread; the forced unwind runs into
+    the work's ``noexcept`` destructor and ``std::terminate``: "terminate called without an
+    active exception", SIGABRT, after a job that finished. The backtrace of the aborting
+    thread (two cores, after an all-reduce and an all-gather): ``ProcessGroupGloo::runLoop`` ->
+    ``~AsyncAllreduceWork`` / ``~AsyncAllgatherWork`` ->
+    ``TensorImpl::decref_pyobject`` -> ``gil_scoped_acquire`` -> ``take_gil`` ->
+    ``PyThread_exit_thread`` -> ``_Unwind_ForcedUnwind`` -> ``std::terminate``, the main
+    thread in ``Py_FinalizeEx``. A loaded machine widens the gap (the worker is preempted
+    right after the completion). ``destroy_process_group`` does not close it: it only drops
+    c10d's own references, and other holders (the wrapped modules and optimizers, torch's
+    registries) keep the gloo backend alive: its worker threads were still running after it
+    and a ``gc.collect()`` under zero1, fsdp and deepspeed. The backend's destructor, which
+    joins them, runs late or never; its ``shutdown()`` and ``abort()`` stop no thread.
+    """
+    if _created_group and dist.is_initialized():
         dist.destroy_process_group()
+    if not wait_for_idle_threads(GLOO_WORKER_THREAD):
+        log.warning("accumix: gloo's worker threads were still busy at exit after 5s")
+
+
+def wait_for_idle_threads(name: str, timeout: float = 5.0) -> bool:
+    """Waits, with the GIL released, until every native thread of this process called
+    ``name`` has been asleep at three looks in a row (Linux; elsewhere returns at once).
+
+    A gloo worker between a collective's completion and its release of the work is running
+    or waiting for the GIL; it is woken each time this thread releases the GIL (the sleeps),
+    so it cannot look asleep three times before it is back in its idle wait.
+
+    Returns:
+        True when they are idle (or there are none); False after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    asleep, delay = 0, 0.001
+    while asleep < 3:
+        time.sleep(delay)  # releases the GIL to a worker waiting for it
+        states = thread_states(name)
+        asleep = asleep + 1 if all(state == "S" for state in states) else 0
+        if time.monotonic() > deadline:
+            return False
+        delay = min(delay * 2, 0.02)
+    return True
+
+
+def thread_states(name: str) -> list[str]:
+    """The scheduler states (``R``, ``S``, ``D``, ...) of this process's threads called
+    ``name``, from ``/proc/self/task``; empty where there is no such file system."""
+    states = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return states
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().strip() != name:
+                    continue
+            with open(f"/proc/self/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # the thread exited meanwhile
+    return states
 
 
 def _elastic_attempt_store(launch: LaunchEnv, timeout: float) -> dist.Store | None:

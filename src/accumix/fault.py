@@ -212,7 +212,9 @@ def _stop_at_exit() -> None:
     A daemon thread still inside a TCPStore call when Python finalizes is ended by
     ``pthread_exit``, whose forced unwind through torch's C++ frames calls ``std::terminate``:
     "terminate called without an active exception" and SIGABRT after a job that finished (seen
-    after a pre-emption save's ``SystemExit(0)``, which skips ``acc.end()``).
+    after a pre-emption save's ``SystemExit(0)``, which skips ``acc.end()``). The aborts that
+    remained after this join came from a gloo worker thread, not from this one: see
+    ``accumix.env._teardown_at_exit``, which runs after this handler.
     """
     watchdog = _watchdog
     if watchdog is None:

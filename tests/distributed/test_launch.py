@@ -20,10 +20,16 @@ SCRIPT = textwrap.dedent("""
     import torch
     import accumix as ax
 
+    from accumix import env
+
     acc = ax.Accelerator(precision="fp32")
     total = acc.reduce(torch.tensor(float(acc.rank + 1)), "sum").item()
+    # What the exit teardown waits for: gloo's workers, found by name, idle after the reduce
+    # (a rename in torch would make the wait a silent no-op).
+    idle = env.wait_for_idle_threads(env.GLOO_WORKER_THREAD, timeout=30)
     out = {"rank": acc.rank, "world": acc.world_size, "sum": total, "args": sys.argv[1:],
-           "threads": torch.get_num_threads(), "addr": os.environ["MASTER_ADDR"]}
+           "threads": torch.get_num_threads(), "addr": os.environ["MASTER_ADDR"],
+           "gloo_idle": idle, "gloo_states": env.thread_states(env.GLOO_WORKER_THREAD)}
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{acc.rank}.json"), "w") as f:
         json.dump(out, f)
     acc.end()
@@ -44,6 +50,8 @@ def test_launch_two_ranks_on_one_node(tmp_path: Path) -> None:
     results = _results(tmp_path)
     assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, 3.0), (1, 2, 3.0)]
     assert all(r["args"] == ["--lr", "0.1"] and r["addr"] == "127.0.0.1" for r in results)
+    assert all(r["gloo_idle"] and r["gloo_states"] and set(r["gloo_states"]) == {"S"}
+               for r in results), results
 
 
 def test_two_agents_with_nnodes_2_make_one_world(tmp_path: Path) -> None:

@@ -41,6 +41,8 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                 "--json", str(json_path)],
         "compile": [sys.executable, "bench/compile.py", "--tiny", "--backend", "eager",
                     "--steps", "1", "--rows", "single-fp32"],
+        # One 2-rank job through the real launcher (a few seconds: 3 processes import torch).
+        "stress": [sys.executable, "bench/stress.py", "--quick"],
     }
     # One thread each: two processes share the cores instead of fighting over them.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -119,3 +121,11 @@ def test_compile_table(outputs: dict[str, object]) -> None:
     assert float(rows[0][4]) > 0 and float(rows[0][5]) > 0
     eager_loss, compiled_loss = rows[0][9].split(" / ")
     assert eager_loss == compiled_loss  # the same weights, data and arithmetic
+
+
+def test_stress_counts_the_jobs_exit(outputs: dict[str, object]) -> None:
+    out = str(outputs["stress"])
+    headers, rows = parse_table(out)
+    assert headers == ["strategy", "ending", "jobs", "abnormal"]
+    assert rows == [["zero1", "no-end", "1", "0"]]  # a finished job exits 0, without SIGABRT
+    assert "abnormal exits: 0 of 1 (0.0%)" in out and "zero1: 0 of 1 abnormal" in out
