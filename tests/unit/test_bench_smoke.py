@@ -43,6 +43,8 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                     "--steps", "1", "--rows", "single-fp32"],
         # One 2-rank job through the real launcher (a few seconds: 3 processes import torch).
         "stress": [sys.executable, "bench/stress.py", "--quick"],
+        "sample_seeds": [sys.executable, "bench/sample_seeds.py", "--samples", "128",
+                         "--repeats", "1"],
     }
     # One thread each: two processes share the cores instead of fighting over them.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -129,3 +131,12 @@ def test_stress_counts_the_jobs_exit(outputs: dict[str, object]) -> None:
     assert headers == ["strategy", "ending", "jobs", "abnormal"]
     assert rows == [["zero1", "no-end", "1", "0"]]  # a finished job exits 0, without SIGABRT
     assert "abnormal exits: 0 of 1 (0.0%)" in out and "zero1: 0 of 1 abnormal" in out
+
+
+def test_sample_seeds_table(outputs: dict[str, object]) -> None:
+    headers, rows = parse_table(str(outputs["sample_seeds"]))
+    assert headers == ["loader", "epoch ms", "x", "us/sample"]
+    assert [r[0] for r in rows] == ["plain", "accumix", "plain, TensorDataset",
+                                    "accumix, TensorDataset"]
+    assert rows[0][2] == rows[2][2] == "1.000x"  # each baseline against itself
+    assert all(float(r[1]) > 0 for r in rows)
