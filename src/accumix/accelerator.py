@@ -336,8 +336,8 @@ class Accelerator:
             (w.batch_size for w in self._loaders if w.batch_size), None)
         given = ("grad_accum_steps" if steps is not None else
                  "global_batch_size" if global_batch is not None else "none")
-        configured = (self._derive_steps(micro) if micro or global_batch is None else None)
-        return batch_geometry(steps=self.grad_accum_steps, configured=configured or steps or 1,
+        return batch_geometry(steps=self.grad_accum_steps,
+                              configured=self._derive_steps(micro) or 1,
                               given=given, micro_batch_size=micro,
                               dp_world_size=self.strategy.dp_world_size)
 

@@ -5,6 +5,8 @@ Imports nothing but ``accumix.errors``, so the JAX side does not pay for torch's
 
 from __future__ import annotations
 
+from typing import Any
+
 from accumix.errors import ConfigError
 
 
@@ -70,7 +72,7 @@ def _what_divides(global_batch: int, micro: int, world: int) -> str:
 
 
 def batch_geometry(*, steps: int, configured: int, given: str, micro_batch_size: int | None,
-                   dp_world_size: int) -> dict[str, int | str | None]:
+                   dp_world_size: int) -> dict[str, Any]:
     """What a checkpoint records of K: the K running now, the K the settings gave
     (``configured``: they differ after a ``GradientAccumulationScheduler`` or an assignment to
     ``acc.grad_accum_steps``), which setting gave it (``"grad_accum_steps"``,
@@ -79,14 +81,14 @@ def batch_geometry(*, steps: int, configured: int, given: str, micro_batch_size:
             "micro_batch_size": micro_batch_size, "dp_world_size": dp_world_size}
 
 
-def resumed_grad_accum_steps(saved: dict[str, int | str | None], mine: dict[str, int | str | None],
-                             *, global_batch_size: int | None, assigned: bool) -> int:
+def resumed_grad_accum_steps(saved: dict[str, Any], mine: dict[str, Any], *,
+                             global_batch_size: int | None, assigned: bool) -> int:
     """K for a run that loads a checkpoint, from both runs' ``batch_geometry``.
 
-    * The same settings as the saved run (or none at all): the saved K, so a K changed while
-      the saved run trained (a scheduler's) is restored.
-    * ``grad_accum_steps=`` given and different, or ``acc.grad_accum_steps`` assigned before the
-      load: this run's K (an explicit change).
+    * No K or batch size given: the saved K, so a K changed while the saved run trained (a
+      scheduler's) is restored.
+    * ``grad_accum_steps=`` given: the saved K if the saved run was given the same, else this
+      run's (an explicit change); ``acc.grad_accum_steps`` assigned before the load: this run's.
     * ``global_batch_size`` given: K keeps the saved run's global batch on this world size and
       micro batch (the saved K if nothing else changed).
 
@@ -94,29 +96,26 @@ def resumed_grad_accum_steps(saved: dict[str, int | str | None], mine: dict[str,
         ConfigError: ``global_batch_size`` (not K itself) gives a K whose global batch differs
             from the checkpoint's, or the saved global batch does not divide here.
     """
-    steps, saved_steps = int(mine["steps"]), int(saved["steps"])  # type: ignore[arg-type]
+    steps, saved_steps = mine["steps"], saved["steps"]
     if assigned or saved_steps == steps:
         return steps
-    same_k = saved["given"] == mine["given"] == "grad_accum_steps" and (
-        saved["configured"] == mine["configured"])
-    same = all(saved[k] == mine[k] for k in ("configured", "given", "micro_batch_size",
-                                              "dp_world_size"))
-    if same or same_k or mine["given"] == "none":
+    if mine["given"] == "none":
         return saved_steps
     if mine["given"] == "grad_accum_steps":
-        return steps
-    micro, world = mine["micro_batch_size"], int(mine["dp_world_size"])  # type: ignore[arg-type]
-    saved_micro, saved_world = saved["micro_batch_size"], int(saved["dp_world_size"])  # type: ignore[arg-type]
-    saved_global = saved_steps * int(saved_micro or 0) * saved_world
-    configured_global = int(saved["configured"]) * int(saved_micro or 0) * saved_world  # type: ignore[arg-type]
-    if micro and saved_micro and global_batch_size in (saved_global, configured_global):
-        if saved_global % (int(micro) * world) == 0:
-            return saved_global // (int(micro) * world)
+        same = saved["given"] == "grad_accum_steps" and saved["configured"] == mine["configured"]
+        return saved_steps if same else steps
+    per_step = (mine["micro_batch_size"] or 0) * mine["dp_world_size"]
+    saved_per_step = (saved["micro_batch_size"] or 0) * saved["dp_world_size"]
+    saved_global = saved_steps * saved_per_step
+    if per_step and saved_per_step and global_batch_size in (saved_global,
+                                                            saved["configured"] * saved_per_step):
+        if saved_global % per_step == 0:
+            return saved_global // per_step
         raise ConfigError(
             f"the checkpoint's global batch of {saved_global} (K={saved_steps} x micro batch "
-            f"{saved_micro} x {saved_world} ranks) is not a multiple of micro batch {micro} x "
-            f"{world} ranks; resume on a world size that divides it, or pass grad_accum_steps= "
-            "to change K on purpose"
+            f"{saved['micro_batch_size']} x {saved['dp_world_size']} ranks) is not a multiple "
+            f"of micro batch {mine['micro_batch_size']} x {mine['dp_world_size']} ranks; resume "
+            "on a world size that divides it, or pass grad_accum_steps= to change K on purpose"
         )
     raise ConfigError(
         f"the checkpoint was saved with grad_accum_steps={saved_steps} (global batch "

@@ -40,9 +40,19 @@ def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
     FSDP2), and FSDP2's DTensor shards are written as shards: a load on another world size
     reshards them.
     """
-    state = _state(models, optimizers)
+    write(_state(models, optimizers), directory)
+
+
+def write(state: dict[str, Any], directory: str) -> None:
+    """``dcp.save`` of ``state`` (collective; without a process group, this process alone)."""
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=directory, no_dist=not _distributed())
+
+
+def read(state: dict[str, Any], reader: SafeReader) -> None:
+    """``dcp.load`` into ``state`` in place, non-tensor entries through ``weights_only``."""
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=not _distributed())
 
 
 def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer], *,
@@ -57,7 +67,7 @@ def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
     Raises:
         CheckpointError: with ``strict``, keys one side has and the other lacks (named).
     """
-    reader = _SafeReader(directory)
+    reader = SafeReader(directory)
     saved = set(reader.read_metadata().state_dict_metadata)
     state = _state(models, optimizers)
     partial = False
@@ -75,9 +85,7 @@ def load_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
     # include parameters this model no longer has.
     own_names = {key: [list(g["params"]) for g in optim.get("param_groups", [])]
                  for key, optim in state.items() if key.startswith("optim")}
-    with _quiet_single_process():
-        dcp.load(state, storage_reader=reader, planner=_SafePlanner(),
-                 no_dist=not _distributed())
+    read(state, reader)
     if not strict:
         for key, names in own_names.items():
             for group, params in zip(state[key]["param_groups"], names, strict=True):
@@ -183,7 +191,7 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-class _SafeReader(FileSystemReader):
+class SafeReader(FileSystemReader):
     """Reads DCP's ``.metadata`` pickle through a whitelist of the classes DCP writes there."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:

@@ -17,12 +17,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import accumix as ax
 from accumix.testing import spawn
-from tests.scripts.resumable_train import build, dataset, params, train
+from tests.scripts.resumable_train import build, build_unused_head, dataset, params, train
 
 EPOCHS = 2
 UNUSED_HEAD = ["fsdp"]  # ddp shares the code path (one process: tests/unit)
@@ -47,34 +46,11 @@ class _Augmented(Dataset):
 
 
 def _build_augmented(acc: ax.Accelerator, num_workers: int) -> tuple[Any, ...]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     # Workers forked, as under torchrun (these ranks were spawned: spawned workers would
     # re-import torch, seconds each).
     workers = {"num_workers": num_workers, "multiprocessing_context": "fork"} if (
         num_workers) else {}
-    loader = DataLoader(_Augmented(), batch_size=2, shuffle=True, **workers)
-    return acc.setup(model, opt, loader, sched)
-
-
-class _WithUnusedHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
-        self.extra = nn.Linear(16, 3)  # in the optimizer, never in the forward
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
-def _build_unused_head(acc: ax.Accelerator) -> tuple[Any, ...]:
-    torch.manual_seed(0)
-    model = _WithUnusedHead()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
-    return acc.setup(model, opt, DataLoader(dataset(), batch_size=2, shuffle=True), sched)
+    return build(acc, data=_Augmented(), **workers)
 
 
 def _acc(strategy: str) -> ax.Accelerator:
@@ -118,8 +94,8 @@ def _preempt_last_window(run_dir: str) -> int:
 def _save(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy in UNUSED_HEAD:
-        out[strategy] = _job(strategy, _build_unused_head)
-        _job(strategy, _build_unused_head, run_dir=f"{tmp}/{strategy}", save_at={2}, stop_at=2)
+        out[strategy] = _job(strategy, build_unused_head)
+        _job(strategy, build_unused_head, run_dir=f"{tmp}/{strategy}", save_at={2}, stop_at=2)
     out["preempted-at"] = _preempt_last_window(f"{tmp}/preempted")
     out["ddp-plain"] = _job("ddp", build)
     for strategy, workers in AUGMENTED:
@@ -134,7 +110,7 @@ def _save(tmp: str) -> dict[str, Any]:
 
 
 def _resume(tmp: str) -> dict[str, Any]:
-    out: dict[str, Any] = {s: _job(s, _build_unused_head, load=f"{tmp}/{s}") for s in UNUSED_HEAD}
+    out: dict[str, Any] = {s: _job(s, build_unused_head, load=f"{tmp}/{s}") for s in UNUSED_HEAD}
     out["preempted"] = _job("ddp", build, load=f"{tmp}/preempted")
     for strategy, workers in AUGMENTED:
         name = f"{strategy}-aug-{workers}"

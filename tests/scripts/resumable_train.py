@@ -46,15 +46,35 @@ def dataset(n: int = 48) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def build(acc: ax.Accelerator, *, dropout: float = 0.2, micro_batch: int = MICRO_BATCH
-          ) -> tuple[Any, ...]:
-    """Model, optimizer, loader and scheduler, set up."""
+class WithUnusedHead(nn.Module):
+    """The job's model plus a head in the optimizer that the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+        self.extra = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def build(acc: ax.Accelerator, *, dropout: float = 0.2, micro_batch: int = MICRO_BATCH,
+          make_model: Callable[[], nn.Module] | None = None, data: Any = None,
+          **loader_kwargs: Any) -> tuple[Any, ...]:
+    """Model (``make_model()``, seeded, else the MLP), optimizer, loader (of ``data``, default
+    ``dataset()``, with ``loader_kwargs``) and scheduler, set up."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 1))
+    model = make_model() if make_model is not None else nn.Sequential(
+        nn.Linear(6, 16), nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
-    loader = DataLoader(dataset(), batch_size=micro_batch, shuffle=True)
+    loader = DataLoader(dataset() if data is None else data, batch_size=micro_batch,
+                        shuffle=True, **loader_kwargs)
     return acc.setup(model, opt, loader, sched)
+
+
+def build_unused_head(acc: ax.Accelerator) -> tuple[Any, ...]:
+    return build(acc, make_model=WithUnusedHead)
 
 
 def train(acc: ax.Accelerator, objects: tuple[Any, ...], *, epochs: int,

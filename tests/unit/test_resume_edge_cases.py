@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 import accumix as ax
 from accumix.checkpoint import CheckpointError, latest_checkpoint
 from accumix.data import AcceleratedDataLoader
-from tests.scripts.resumable_train import build, dataset, params, train
+from tests.scripts.resumable_train import build, build_unused_head, dataset, params, train
 
 STEPS, SAVE_AT = 8, 3
 
@@ -133,29 +133,10 @@ def _signal_at(step: int, micro_step: int = 1) -> Callable[[ax.Accelerator], Non
 
 
 # -- 2. an optimizer parameter that never had a gradient ------------------------------------
-class _WithUnusedHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
-        self.extra = nn.Linear(16, 3)  # an auxiliary head this job never calls
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
-def _build_unused_head(acc: ax.Accelerator) -> tuple[Any, ...]:
-    torch.manual_seed(0)
-    model = _WithUnusedHead()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
-    sched = lrs.StepLR(opt, step_size=2, gamma=0.7)
-    loader = DataLoader(dataset(), batch_size=2, shuffle=True)
-    return acc.setup(model, opt, loader, sched)
-
-
 def test_optimizer_parameter_without_gradient_resumes_exactly(tmp_path: Path) -> None:
-    expected, _ = _job(_build_unused_head)
-    _job(_build_unused_head, run_dir=tmp_path, save_at={5}, stop_at=5)
-    resumed, acc = _job(_build_unused_head, load=tmp_path)
+    expected, _ = _job(build_unused_head)
+    _job(build_unused_head, run_dir=tmp_path, save_at={5}, stop_at=5)
+    resumed, acc = _job(build_unused_head, load=tmp_path)
     assert _equal(resumed, expected) and acc.optimizer_steps == 16
     assert "extra.weight" in resumed
     # The head still has no optimizer state, as in the uninterrupted run.

@@ -65,7 +65,6 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.optim import Optimizer
 
@@ -143,8 +142,7 @@ def save(directory: str, engine: Any, optimizer: Optimizer, groups: list[list[st
                     "global_samples": int(engine.global_samples),
                     "skipped_steps": int(engine.skipped_steps)},
     }
-    with dcp_state._quiet_single_process():
-        dcp.save(sd, checkpoint_id=directory, no_dist=not dcp_state._distributed())
+    dcp_state.write(sd, directory)
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -157,25 +155,19 @@ def load(directory: str, engine: Any, optimizer: Optimizer, groups: list[list[st
         CheckpointError: with ``strict``, keys one side has and the other lacks, or param
             groups whose parameters differ (named).
     """
-    reader = dcp_state._SafeReader(directory)
+    reader = dcp_state.SafeReader(directory)
     metadata = reader.read_metadata().state_dict_metadata
     module = engine.module
-    own = {k: v for k, v in module.state_dict().items()}
-    missing = dcp_state.check_model_keys(directory, 0, own, set(metadata), strict=strict)
-    model_tpl: dict[str, Any] = {}
-    for key, value in own.items():
-        md = metadata.get(f"model0.{key}")
-        if key in missing:
-            continue
-        model_tpl[key] = _template(md) if torch.is_tensor(value) else value
+    own = module.state_dict()
+    missing = set(dcp_state.check_model_keys(directory, 0, own, set(metadata), strict=strict))
+    model_tpl = {key: _template(metadata.get(f"model0.{key}")) if torch.is_tensor(value) else value
+                 for key, value in own.items() if key not in missing}
     optim_tpl = {key[len("optim0."):]: _template(md) for key, md in metadata.items()
                  if key.startswith("optim0.")}
     sd: dict[str, Any] = {"model0": model_tpl, "optim0": optim_tpl}
     if "engine0.global_steps" in metadata:
         sd["engine0"] = {"global_steps": None, "global_samples": None, "skipped_steps": None}
-    with dcp_state._quiet_single_process():
-        dcp.load(sd, storage_reader=reader, planner=dcp_state._SafePlanner(),
-                 no_dist=not dcp_state._distributed())
+    dcp_state.read(sd, reader)
     saved_groups, saved_states = _unflatten_optim(sd["optim0"])
     _check_groups(directory, saved_groups, groups, strict)
     zero = engine.optimizer
