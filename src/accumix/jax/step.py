@@ -101,10 +101,16 @@ def build_step(
     def local_window(params_c: Any, batch: Any, mask: jax.Array, key: jax.Array,
                      scale: jax.Array, *, item_mode: bool) -> tuple[Any, ...]:
         """One device's K micro-steps; returns the reduced sums."""
-        full = strategy.gather_params(params_c, param_specs)
         device = jax.lax.axis_index(AXIS)
         first = jax.tree.map(lambda x: x[0], batch)
-        aux0 = split_loss_output(jax.eval_shape(loss_fn, full, first, key))[2]
+        target = strategy.grad_target(params_c, param_specs)  # what each micro-step differentiates
+        one = jnp.float32(1)
+        shapes = jax.eval_shape(lambda p, t: strategy.params_at_use(p, t, param_specs, one),
+                                params_c, target)
+        aux0 = split_loss_output(jax.eval_shape(loss_fn, shapes, first, key))[2]
+        # fp16 item mode divides each device's gradient by its own item count (below); a
+        # strategy that sums devices inside the backward must multiply it back there first.
+        weigh_in_backward = scaled and item_mode and strategy.reduces_each_microstep
 
         def objective(p: Any, micro: Any, k: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
             loss, items, aux = split_loss_output(loss_fn(p, micro, k))
@@ -115,7 +121,7 @@ def build_step(
             per = jnp.maximum(items, 1.0) if (scaled and item_mode) else 1.0
             return loss * (scale / per), (loss, items, aux, per)
 
-        zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), full)
+        zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), target)
         zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), aux0)
 
         def micro_step(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, None]:
@@ -123,7 +129,21 @@ def build_step(
 
             def compute(_: None) -> tuple[Any, ...]:
                 k = jax.random.fold_in(jax.random.fold_in(key, index), device)
-                grad, (loss, items, aux, per) = jax.grad(objective, has_aux=True)(full, micro, k)
+                weight = one
+                if weigh_in_backward:  # the count alone: XLA drops the rest of this forward
+                    p = strategy.params_at_use(params_c, target, param_specs, one)
+                    weight = jnp.maximum(jnp.asarray(split_loss_output(
+                        loss_fn(p, micro, k))[1], jnp.float32), 1.0)
+
+                def at_use(t: Any, shards: Any) -> tuple[jax.Array, tuple[Any, ...]]:
+                    p = strategy.params_at_use(shards, t, param_specs, weight)
+                    return objective(p, micro, k)
+
+                # The shards are an argument, not a closure: remat's optimization barrier then
+                # covers them, so XLA cannot merge the backward's re-gather with the forward's.
+                grad, (loss, items, aux, per) = jax.grad(strategy.remat(at_use),
+                                                         has_aux=True)(target, params_c)
+                per = one if weigh_in_backward else per
                 grad = jax.tree.map(lambda g: g.astype(jnp.float32) * per, grad)
                 aux = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
                 return grad, loss, items, aux

@@ -1,0 +1,90 @@
+"""fsdp's parameters gathered where the forward uses them, and re-gathered in the backward.
+
+Inside the step's ``shard_map`` each device holds its shard of every parameter. ``loss_fn``
+still receives the params pytree, but each sharded leaf in it is the output of
+``gather_at_use(shard, tap)``: an all-gather that XLA schedules next to the leaf's first use,
+and whose output is named ``GATHERED`` so that the micro-step, wrapped in ``jax.checkpoint``
+with ``REMAT_POLICY``, saves every activation except the gathered copies. The backward then
+gathers again instead of keeping the whole model gathered from forward to backward: at most a
+few layers' gathered params are alive at once (ZeRO-3, as MaxText and FSDP2 do).
+
+The gradient is taken with respect to ``tap``, a float32 zero of the accumulator's shape, not
+the shard: that lets the backward route each leaf's gradient where the strategy accumulates it
+(the custom VJP below), whatever the forward's dtype:
+
+    mode                     tap shape    the gather's backward
+    default                  full leaf    float32(g)                 (reduce-scatter once a window)
+    sync_each_microstep      shard        psum_scatter(float32(g) * weight)     (each micro-step)
+
+``weight`` is the device's own factor of fp16 item mode (its micro-batch's item count, by which
+its scaled gradient was divided): it must multiply before devices are summed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+GATHERED = "accumix_gathered"
+
+
+def remat_policy(prim: Any, *_: Any, **params: Any) -> bool:
+    """``jax.checkpoint``'s policy: save every intermediate except a gathered copy.
+
+    The gather (its custom VJP call, its all-gather and its name) must all be unsaveable:
+    saving any one of them keeps the full leaf alive from forward to backward.
+    """
+    if prim.name == "name":
+        return params.get("name") != GATHERED
+    return prim.name not in _GATHER_PRIMITIVES
+
+
+_GATHER_PRIMITIVES = frozenset({"all_gather", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+REMAT_POLICY = remat_policy
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def gather_at_use(shard: jax.Array, tap: jax.Array, weight: jax.Array, axis: str,
+                  dim: int | None, scatter: bool) -> jax.Array:
+    """The full leaf from this device's ``shard`` (identity for a replicated leaf).
+
+    Differentiate with respect to ``tap`` (float32, the accumulator's shape): its cotangent is
+    the leaf's gradient, reduce-scattered when ``scatter``.
+    """
+    del tap, weight
+    if dim is None:
+        return shard
+    return jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
+
+
+def _gather_fwd(shard: jax.Array, tap: jax.Array, weight: jax.Array, axis: str,
+                dim: int | None, scatter: bool) -> tuple[jax.Array, jax.Array]:
+    if dim is None:
+        return shard, weight
+    return jax.lax.all_gather(shard, axis, axis=dim, tiled=True), weight
+
+
+def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
+                g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    shape = list(g.shape)
+    if dim is not None:
+        shape[dim] //= jax.lax.axis_size(axis)
+    zero_shard = jnp.zeros(shape, g.dtype)  # the shard is not differentiated: the tap is
+    g = g.astype(jnp.float32)
+    if scatter and dim is not None:
+        g = jax.lax.psum_scatter(g * weight, axis, scatter_dimension=dim, tiled=True)
+    elif scatter:  # a replicated leaf: summed over devices after the scan, like the others
+        g = g * weight
+    return zero_shard, g, jnp.zeros_like(weight)
+
+
+gather_at_use.defvjp(_gather_fwd, _gather_bwd)
+
+
+def name_gathered(x: jax.Array) -> jax.Array:
+    """Marks a gathered copy as not worth saving for the backward (``REMAT_POLICY``)."""
+    return checkpoint_name(x, GATHERED)
