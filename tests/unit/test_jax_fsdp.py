@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 jax = pytest.importorskip("jax")
-import numpy as np  # noqa: E402
 
 import accumix.jax as axj  # noqa: E402
 from accumix.errors import ConfigError  # noqa: E402

@@ -25,6 +25,7 @@ each re-gather with the forward's, so every gathered leaf stays alive through th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,16 @@ import jax
 import numpy as np
 
 from accumix.errors import ConfigError
-from accumix.jax.strategies import shard_dim
+from accumix.jax.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    JaxStrategy,
+    SingleStrategy,
+    ZeRO1Strategy,
+    shard_dim,
+)
+
+log = logging.getLogger("accumix")
 
 JAX_STRATEGIES = ("single", "ddp", "zero1", "fsdp", "fsdp-sync")
 _DTYPE_BYTES = {"fp32": (4, 4), "bf16-mixed": (4, 2), "fp16-mixed": (4, 2), "bf16-true": (2, 2)}
@@ -126,6 +136,56 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
                                      optimizer_bytes=optimizer_bytes, grads_bytes=grads,
                                      working_bytes=working, other_bytes=other))
     return out
+
+
+def choose_auto(params: Any, optimizer: Any, *, precision: str, headroom: float = 0.8,
+                free_bytes: int | None = None) -> JaxStrategy:
+    """``strategy="auto"``: the least communication whose modelled bytes fit, on every process.
+
+    ddp, zero1, fsdp, fsdp with ``sync_each_microstep`` in that order, against ``headroom`` of
+    the smallest free device memory over all processes (``agreed_free_bytes``: every process
+    gets the same number, so all choose alike); ``single`` on one device; fsdp with
+    ``sync_each_microstep`` (the least memory) when nothing fits, said in the log.
+    """
+    devices = jax.devices()
+    if len(devices) == 1:
+        return SingleStrategy()
+    free = agreed_free_bytes() if free_bytes is None else free_bytes
+    estimates = estimate_jax_memory(params, optimizer, num_devices=len(devices),
+                                    precision=precision, platform=devices[0].platform)
+    by_name = {e.strategy: e for e in estimates}
+    budget = headroom * free
+    order = ("ddp", "zero1", "fsdp", "fsdp-sync")
+    name = next((n for n in order if by_name[n].total_bytes <= budget), "fsdp-sync")
+    verdict = "fits" if by_name[name].total_bytes <= budget else "does not fit (nothing does)"
+    log.info("strategy='auto' chose %s: %.2f GiB per device %s %.0f%% of %.2f GiB; ddp needs "
+             "%.2f GiB", name, by_name[name].total_bytes / 2**30, verdict, headroom * 100,
+             free / 2**30, by_name["ddp"].total_bytes / 2**30)
+    return {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp": FSDPStrategy}.get(
+        name, lambda: FSDPStrategy(sync_each_microstep=True))()
+
+
+def agreed_free_bytes() -> int:
+    """The free memory of one device, the minimum over every process (one collective)."""
+    free = device_free_bytes()
+    if jax.process_count() == 1:
+        return free
+    from jax.experimental import multihost_utils
+
+    # float32 (JAX's default has no int64): 24 bits of mantissa are plenty for a budget.
+    every = multihost_utils.process_allgather(np.asarray([free], np.float32))
+    return int(np.min(np.asarray(every)))
+
+
+def device_free_bytes() -> int:
+    """This process's free memory per local device (host memory shared by them on a CPU)."""
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    limits = [s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats if "bytes_limit" in s]
+    if limits:
+        return int(min(limits))
+    from accumix.memory import _host_available_bytes
+
+    return _host_available_bytes() // max(len(jax.local_devices()), 1)
 
 
 def _param_structs(params: Any) -> Any:

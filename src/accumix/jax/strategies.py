@@ -16,7 +16,6 @@ dimension (a bias of 1, a scalar) stays replicated and is psum'd.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import jax
@@ -27,8 +26,6 @@ from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
 from accumix.jax.gather import REMAT_POLICY, gather_at_use, name_gathered
-
-log = logging.getLogger("accumix")
 
 AXIS = "data"
 STRATEGY_WORDS = ("single", "ddp", "zero1", "fsdp", "auto")
@@ -67,6 +64,9 @@ class JaxStrategy:
         devices = list(jax.devices() if devices is None else devices)
         self.mesh = Mesh(np.array(devices), (AXIS,), axis_types=(AxisType.Auto,))
         self.num_devices = len(devices)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -226,32 +226,3 @@ def resolve_jax_strategy(word: str | JaxStrategy) -> JaxStrategy | None:
             f"unknown strategy {word!r} for accumix.jax; use one of {', '.join(STRATEGY_WORDS)}"
         )
     return _CLASSES[word]()
-
-
-def choose_auto(num_params: int, *, precision: str, optimizer_states: int = 2) -> JaxStrategy:
-    """``"auto"``: the torch side's memory model and order (ddp, zero1, fsdp) on this mesh.
-
-    The ZeRO-paper byte counts of ``accumix.memory`` per device, against the smallest device's
-    memory (host memory shared by the local devices on a CPU).
-    """
-    from accumix.memory import choose_strategy, estimate_memory
-
-    devices = jax.devices()
-    if len(devices) == 1:
-        return SingleStrategy()
-    free = _device_free_bytes()
-    estimates = estimate_memory(num_params, world_size=len(devices), precision=precision,
-                                optimizer_states=optimizer_states)
-    choice = choose_strategy(estimates, device_bytes=free, world_size=len(devices))
-    log.info("strategy='auto' chose %s", choice.reason)
-    return _CLASSES[choice.strategy]()
-
-
-def _device_free_bytes() -> int:
-    stats = [d.memory_stats() or {} for d in jax.local_devices()]
-    limits = [s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats if "bytes_limit" in s]
-    if limits:
-        return int(min(limits))
-    from accumix.memory import _host_available_bytes
-
-    return _host_available_bytes() // max(len(jax.local_devices()), 1)
