@@ -123,3 +123,24 @@ def test_fsdp_memory_on_4_devices() -> None:
     assert got["fsdp/fp32/8"]["measured"] < 0.60 * ddp, got
     assert got["fsdp-sync/fp32/8"]["measured"] < 0.45 * ddp, got
     assert got["zero1/fp32/8"]["measured"] < 0.75 * ddp, got
+
+
+def test_estimate_memory_sizes_the_jax_strategies(capsys) -> None:
+    """``accumix estimate-memory`` with the JAX backend: the JAX model's rows and its choice."""
+    import optax
+
+    from accumix.cli.main import main
+    from accumix.jax.memory import estimate_jax_memory
+
+    assert main(["estimate-memory", "--backend", "jax", "--params", "1e9", "--world-size", "8",
+                 "--precision", "bf16-mixed", "--device-gib", "12"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:7]}
+    assert list(rows) == ["single", "ddp", "zero1", "fsdp", "fsdp-sync"]
+    model = {e.strategy: e for e in estimate_jax_memory(
+        10**9, optax.adamw(1e-3), num_devices=8, precision="bf16-mixed")}
+    for name, row in rows.items():
+        assert float(row[6]) == pytest.approx(model[name].total_bytes / 2**30, abs=0.006)
+    # 80% of 12 GiB: zero1 (14.0 GiB: params, two float32 gradient buffers, a bf16 copy)
+    # does not fit; fsdp (9.1 GiB) does.
+    assert out.splitlines()[-1].startswith("auto: fsdp: "), out

@@ -83,7 +83,7 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
 
     Args:
         params: the params pytree (arrays or ``jax.ShapeDtypeStruct``), or a parameter count
-            (one unshardable-free flat leaf: every element shardable).
+            (one flat leaf: every element shardable, no leaf's gradient counted in flight).
         optimizer: an optax transformation (its state is sized by ``eval_shape``), or None to
             count ``optimizer_states`` float32 states per parameter.
         num_devices: the mesh's devices (D); ``single`` always uses one.
@@ -109,6 +109,8 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
                       for x in jax.tree.leaves(jax.eval_shape(optimizer.init, structs))]
     else:
         opt_leaves = [(s, 4) for s in leaves for _ in range(optimizer_states)]
+    # A bare count has no leaves to size the one in flight by: left out.
+    largest = 0 if isinstance(params, (int, np.integer)) else max(_size(s) for s in leaves)
     out = []
     for name in JAX_STRATEGIES:
         d = 1 if name == "single" else num_devices
@@ -123,7 +125,7 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         optimizer_bytes = opt_full if name in ("single", "ddp") else opt_shard
         # One leaf's float32 gradient in flight (cast from the compute dtype, or on its way
         # to a reduce-scatter) before it joins its accumulator.
-        in_flight = 4 * max(_size(s) for s in leaves) if (fsdp or mixed) else 0
+        in_flight = 4 * largest if (fsdp or mixed) else 0
         if name == "fsdp-sync":
             grads = 4 * shard + in_flight
         elif fsdp:  # the window's reduce-scatter writes over the accumulators
@@ -153,16 +155,44 @@ def choose_auto(params: Any, optimizer: Any, *, precision: str, headroom: float 
     free = agreed_free_bytes() if free_bytes is None else free_bytes
     estimates = estimate_jax_memory(params, optimizer, num_devices=len(devices),
                                     precision=precision, platform=devices[0].platform)
+    name, reason = pick_strategy(estimates, device_bytes=free, headroom=headroom)
+    log.info("strategy='auto' chose %s", reason)
+    return {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp": FSDPStrategy}.get(
+        name, lambda: FSDPStrategy(sync_each_microstep=True))()
+
+
+def pick_strategy(estimates: list[JaxMemoryEstimate], *, device_bytes: int,
+                  headroom: float = 0.8) -> tuple[str, str]:
+    """The first of ddp, zero1, fsdp, fsdp-sync whose total fits ``headroom * device_bytes``
+    (fsdp-sync when none does), and a one-line reason."""
     by_name = {e.strategy: e for e in estimates}
-    budget = headroom * free
+    budget = headroom * device_bytes
     order = ("ddp", "zero1", "fsdp", "fsdp-sync")
     name = next((n for n in order if by_name[n].total_bytes <= budget), "fsdp-sync")
     verdict = "fits" if by_name[name].total_bytes <= budget else "does not fit (nothing does)"
-    log.info("strategy='auto' chose %s: %.2f GiB per device %s %.0f%% of %.2f GiB; ddp needs "
-             "%.2f GiB", name, by_name[name].total_bytes / 2**30, verdict, headroom * 100,
-             free / 2**30, by_name["ddp"].total_bytes / 2**30)
-    return {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp": FSDPStrategy}.get(
-        name, lambda: FSDPStrategy(sync_each_microstep=True))()
+    reason = (f"{name}: {by_name[name].total_bytes / 2**30:.2f} GiB per device {verdict} "
+              f"{headroom:.0%} of {device_bytes / 2**30:.2f} GiB; ddp needs "
+              f"{by_name['ddp'].total_bytes / 2**30:.2f} GiB")
+    return name, reason
+
+
+def format_jax_table(estimates: list[JaxMemoryEstimate], *, device_bytes: int | None = None,
+                     headroom: float = 0.8) -> str:
+    """The estimates as an aligned table in GiB (2 decimals), with ``fits`` when a device size
+    is given."""
+    header = ("strategy", "params GiB", "optimizer GiB", "grads GiB", "gathered+copy GiB",
+              "window+act GiB", "total GiB", "fits")
+    rows = [header]
+    for e in estimates:
+        sizes = (e.params_bytes, e.optimizer_bytes, e.grads_bytes, e.working_bytes,
+                 e.other_bytes, e.total_bytes)
+        fits = "-" if device_bytes is None else (
+            "yes" if e.total_bytes <= headroom * device_bytes else "no")
+        rows.append((e.strategy, *(f"{b / 2**30:.2f}" for b in sizes), fits))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
+                                                           zip(r[1:], widths[1:], strict=True)])
+                     for r in rows)
 
 
 def agreed_free_bytes() -> int:
