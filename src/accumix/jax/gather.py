@@ -2,11 +2,17 @@
 
 Inside the step's ``shard_map`` each device holds its shard of every parameter. ``loss_fn``
 still receives the params pytree, but each sharded leaf in it is the output of
-``gather_at_use(shard, tap)``: an all-gather that XLA schedules next to the leaf's first use,
-and whose output is named ``GATHERED`` so that the micro-step, wrapped in ``jax.checkpoint``
-with ``REMAT_POLICY``, saves every activation except the gathered copies. The backward then
-gathers again instead of keeping the whole model gathered from forward to backward: at most a
-few layers' gathered params are alive at once (ZeRO-3, as MaxText and FSDP2 do).
+``gather_at_use(shard, tap)``: an all-gather inside the micro-step, whose output is named
+``GATHERED`` so that the micro-step, wrapped in ``jax.checkpoint`` with ``remat_policy``, saves
+every activation except the gathered copies: the traced backward gathers again instead of
+keeping the model gathered from forward to backward (ZeRO-3, as MaxText and FSDP2 do).
+
+Measured limit (XLA CPU, jax 0.10): the CPU compiler drops the checkpoint's optimization
+barriers and its CSE merges each re-gather with the forward's identical all-gather, so every
+gathered leaf stays alive through the micro-step (``accumix.jax.memory`` counts them). Keeping
+them apart (a never-merged random select before each gather) gave 15 all-gathers for 8 layers
+but more memory, not less: XLA's scheduler issued the independent gathers early. Only a data
+dependency on the layer order (a per-layer scan, as MaxText's) would bound them.
 
 The gradient is taken with respect to ``tap``, a float32 zero of the accumulator's shape, not
 the shard: that lets the backward route each leaf's gradient where the strategy accumulates it

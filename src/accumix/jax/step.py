@@ -139,8 +139,8 @@ def build_step(
                     p = strategy.params_at_use(shards, t, param_specs, weight)
                     return objective(p, micro, k)
 
-                # The shards are an argument, not a closure: remat's optimization barrier then
-                # covers them, so XLA cannot merge the backward's re-gather with the forward's.
+                # The shards are an argument, not a closure, so remat's optimization barrier
+                # covers them (where the backend keeps barriers; see accumix.jax.gather).
                 grad, (loss, items, aux, per) = jax.grad(strategy.remat(at_use),
                                                          has_aux=True)(target, params_c)
                 per = one if weigh_in_backward else per

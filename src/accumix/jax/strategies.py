@@ -144,8 +144,9 @@ class ZeRO1Strategy(JaxStrategy):
 
 
 class FSDPStrategy(JaxStrategy):
-    """Params and optimizer state sharded (ZeRO-3); each leaf gathered at its use, re-gathered
-    in the backward (``accumix.jax.gather``), in the compute dtype.
+    """Params and optimizer state sharded (ZeRO-3); each leaf gathered in the micro-step at its
+    use and re-gathered in the traced backward (``accumix.jax.gather``, which says what XLA on a
+    CPU makes of it), after the cast to the compute dtype.
 
     Accumulation: by default each device sums the window's gradients into full-size float32
     accumulators and reduce-scatters them once after the scan (FSDP2 with gradient sync off);
