@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--torch-blocks", type=int, default=4)
+    parser.add_argument("--torch-blocks", type=int, default=8)
     parser.add_argument("--no-torch", action="store_true")
     args = parser.parse_args()
     words = ("ddp", "zero1", "fsdp", "fsdp-sync")
