@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from accumix.errors import ConfigError
 from accumix.precision.policy import PRECISION_WORDS
@@ -33,6 +35,7 @@ from accumix.recipes.text_data import (
     stdlib_files,
 )
 from accumix.strategies.registry import STRATEGY_WORDS
+from accumix.trainer.events import Callback
 
 BACKENDS = ("torch", "jax")
 MODEL_FILE = "model.safetensors"
@@ -135,6 +138,10 @@ class TrainConfig:
         grad_clip: the max gradient norm (None: no clipping).
         progress_bar: show the progress bar.
         plot: write ``metrics.png`` at the end.
+        loggers: metric loggers: ``csv``, ``jsonl``, ``tensorboard``, ``mlflow``, ``wandb``,
+            ``clearml`` (null: csv, jsonl and tensorboard when installed).
+        log_model: trackers upload the final ``model.safetensors``.
+        system_metrics_every: every rank's system metrics every N steps (null: off).
         model: the GPT's shape.
         data: the text.
         optimizer: AdamW and the LR schedule.
@@ -160,6 +167,9 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     progress_bar: bool = True
     plot: bool = True
+    loggers: tuple[str, ...] | None = None
+    log_model: bool = False
+    system_metrics_every: int | None = 10
     model: GPTConfig = field(default_factory=lambda: GPTConfig(
         block_size=128, n_layer=4, n_head=4, n_embd=256))
     data: DataConfig = field(default_factory=DataConfig)
@@ -183,7 +193,7 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r} is invalid; use one of "
                               f"{', '.join(PRECISION_WORDS)}")
         for name in ("nproc", "global_batch_size", "micro_batch_size", "max_steps",
-                     "max_epochs", "eval_every", "checkpoint_every"):
+                     "max_epochs", "eval_every", "checkpoint_every", "system_metrics_every"):
             value = getattr(self, name)
             if isinstance(value, int) and value < 1:
                 raise ConfigError(f"{name}={value} is invalid; use an integer >= 1")
@@ -191,6 +201,12 @@ class TrainConfig:
             raise ConfigError("max_steps and max_epochs are both null; give one of them")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"grad_clip={self.grad_clip} is invalid; use a number > 0 or null")
+        from accumix.trainer.loggers import LOGGER_WORDS
+
+        unknown = [w for w in self.loggers or () if w not in LOGGER_WORDS]
+        if unknown:
+            raise ConfigError(f"loggers: unknown logger {unknown[0]!r}; use "
+                              f"{', '.join(LOGGER_WORDS)}")
         if not 0 < self.data.val_fraction < 1:
             raise ConfigError(f"data.val_fraction={self.data.val_fraction} is invalid; use a "
                               "number in (0, 1)")
@@ -296,7 +312,9 @@ def run(config: TrainConfig) -> int:
         max_epochs=config.max_epochs, eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every, run_dir=config.run_dir, resume=config.resume,
         grad_clip=config.grad_clip, progress_bar=config.progress_bar,
-        callbacks=[ThroughputMonitor(flops_per_item=model.flops_per_token())],
+        callbacks=[ThroughputMonitor(flops_per_item=model.flops_per_token()),
+                   SaveModelAtEnd(lambda: acc.save_model(config.run_dir))],
+        **tracking_options(config),
     )
     acc.print(
         f"accumix train: {model.num_parameters() / 1e6:.1f}M-parameter GPT on "
@@ -306,9 +324,8 @@ def run(config: TrainConfig) -> int:
         f"{acc.policy.name}, global batch {config.global_batch_size} = micro batch "
         f"{config.micro_batch_size} x {acc.world_size} rank(s) x K={acc.grad_accum_steps}; "
         f"run directory {config.run_dir}", flush=True)
-    result = trainer.fit()
+    result = trainer.fit()  # SaveModelAtEnd wrote the weights both backends load (init_from=)
     unwrapped = acc.unwrap(trainer.model)
-    acc.save_model(config.run_dir)  # the weights both backends load: init_from=<this file>
     report(acc, config, result, num_val=len(val), started=started)
     if config.sample.max_new_tokens > 0:
         # Every rank generates the same text: a sharded model's forward is collective.
@@ -316,6 +333,28 @@ def run(config: TrainConfig) -> int:
         acc.print("sample:\n" + text, flush=True)
     acc.end()
     return 0
+
+
+def tracking_options(config: TrainConfig) -> dict[str, Any]:
+    """The Trainer's logger keywords from the config: the loggers, ``log_model``, the system
+    metrics' interval, the job's name and the resolved config (logged as trackers' params)."""
+    from accumix.trainer.config import to_dict
+
+    return {"loggers": list(config.loggers) if config.loggers is not None else None,
+            "log_model": config.log_model, "run_name": config.name,
+            "system_metrics_every": config.system_metrics_every, "config": to_dict(config)}
+
+
+class SaveModelAtEnd(Callback):
+    """Writes the final ``model.safetensors`` in ``on_fit_end`` (collective), before the
+    trackers close, so ``log_model=true`` can upload it."""
+
+    def __init__(self, save: Callable[[], Any]) -> None:
+        self.save = save
+
+    @override
+    def on_fit_end(self, trainer: Any) -> None:
+        self.save()
 
 
 def report(acc: Any, config: TrainConfig, result: Any, *, num_val: int, started: float) -> None:
