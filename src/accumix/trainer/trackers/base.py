@@ -134,7 +134,11 @@ class TrackerLogger(MetricLogger):
         if process_rank() != 0:
             return
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"the {self.word} logger cannot write to run_dir "
+                              f"{str(run_dir)!r} ({exc.strerror}); give a writable one") from None
         self.run_name = self.run_name or self.run_dir.resolve().name
         self._opened_at = time.time()
         saved = read_run_ids(self.run_dir).get(self.word)

@@ -73,6 +73,10 @@ class ClearMLLogger(TrackerLogger):
                 # ClearML keeps offline sessions in its cache folder, read from here at use.
                 os.environ.setdefault("CLEARML_CACHE_DIR", str(self.run_dir.resolve() /
                                                                "clearml"))
+                # sdk.development.report_use_subprocess=false for the offline session: the
+                # subprocess reporter's shutdown waits about 16 s at close; rows come from
+                # one thread at step boundaries, which the thread reporter serves.
+                Task._report_subprocess_enabled = False
                 Task.set_offline(True)
             continue_id = saved["run_id"] if saved and not offline else False
             self._task = Task.init(

@@ -64,6 +64,8 @@ class MLflowLogger(TrackerLogger):
 
         assert self.run_dir is not None
         uri, local = self._uri()
+        if local:  # local means no network: MLflow 3's usage telemetry stays off unless asked
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         if saved and saved.get("tracking_uri") not in (None, uri):
             log.warning("mlflow: this run directory's run %s is in %s, not %s; starting a new "
                         "run there", saved["run_id"], saved["tracking_uri"], uri)
