@@ -270,7 +270,8 @@ class Trainer:
     def _open_loggers(self) -> None:
         from accumix.trainer.run_facts import run_facts
 
-        assert self.run_dir is not None
+        if self.run_dir is None:
+            return  # no run directory, no loggers
         name = self.run_name or self.run_dir.resolve().name
         params = {**run_facts(self), "config": self.config} if self.config else run_facts(self)
         for logger in self.loggers:
