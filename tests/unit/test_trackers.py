@@ -140,3 +140,34 @@ def test_the_jax_backend_logs_one_mlflow_run(tmp_path: Path, monkeypatch: pytest
     system = client.get_metric_history(run.info.run_id, "system/rank0/rss_mb")
     assert [m.step for m in system] == [3]  # the one metrics read of this short run
     assert float(rows[-1]["system/rank0/rss_mb"]) == system[0].value
+
+
+def test_system_metrics_ride_in_the_steps_one_gather(tmp_path: Path) -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from tests import workloads as w
+
+    def run(every: int | None) -> tuple[int, list[dict[str, str]]]:
+        data = w.regression_data(16)
+        model = w.make_model(data.tensors[0].shape[-1])
+        acc = ax.Accelerator(precision="fp32", grad_accum_steps=2)
+        gathers = []
+        real_gather = acc.gather
+        acc.gather = lambda t: gathers.append(t.numel()) or real_gather(t)  # type: ignore
+        run_dir = tmp_path / f"every-{every}"
+        ax.Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                   train_loader=DataLoader(data, batch_size=2), accelerator=acc,
+                   step_fn=w.mean_loss, max_steps=4, run_dir=run_dir, loggers=["csv"],
+                   progress_bar=False, system_metrics_every=every).fit()
+        with (run_dir / "metrics.csv").open() as f:
+            return len(gathers), list(csv.DictReader(f))
+
+    calls_without, rows_without = run(None)
+    calls_with, rows = run(2)
+    assert calls_with == calls_without == 4  # one gather per optimizer step, either way
+    assert [r["loss"] for r in rows] == [r["loss"] for r in rows_without]
+    sampled = [r["step"] for r in rows if r["system/rank0/rss_mb"]]
+    assert sampled == ["2", "4"]
+    assert all(float(rows[i]["system/rank0/rss_mb"]) > 0 for i in (1, 3))
+    assert "system/rank0/device_mem_mb" not in rows[0]  # a CPU: no device memory column

@@ -1,4 +1,5 @@
-"""Metric loggers: one row per optimizer step into ``metrics.csv``, ``metrics.jsonl``, TensorBoard.
+"""Metric loggers: one row per optimizer step into ``metrics.csv``, ``metrics.jsonl``, TensorBoard
+(and experiment trackers, ``trackers/``).
 
 Loggers run on rank 0 only, after every callback had its ``on_optimizer_step`` (so columns that
 callbacks add, and the ``val_loss`` of an evaluation at that step, are in the same row). A resumed
