@@ -26,6 +26,8 @@ _NO_FRAMEWORKS = {name: False for name in (
     "lightgbm", "hydra", "detect_repository", "tfdefines", "joblib", "megengine", "catboost",
     "gradio", "jsonargparse")}
 
+_cache_dir_we_set: str | None = None
+
 
 def server_configured() -> bool:
     """Whether the environment points ClearML at a server (and offline mode was not asked)."""
@@ -70,9 +72,12 @@ class ClearMLLogger(TrackerLogger):
         sessions: list[str] = list(saved.get("offline_sessions", [])) if saved else []
         try:
             if offline:
-                # ClearML keeps offline sessions in its cache folder, read from here at use.
-                os.environ.setdefault("CLEARML_CACHE_DIR", str(self.run_dir.resolve() /
-                                                               "clearml"))
+                # ClearML keeps offline sessions in its cache folder, read from here at use;
+                # a folder the user set stays, one we set for an earlier run is replaced.
+                global _cache_dir_we_set
+                if os.environ.get("CLEARML_CACHE_DIR") in (None, _cache_dir_we_set):
+                    _cache_dir_we_set = str(self.run_dir.resolve() / "clearml")
+                    os.environ["CLEARML_CACHE_DIR"] = _cache_dir_we_set
                 # sdk.development.report_use_subprocess=false for the offline session: the
                 # subprocess reporter's shutdown waits about 16 s at close; rows come from
                 # one thread at step boundaries, which the thread reporter serves.
