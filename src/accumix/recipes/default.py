@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
-from typing_extensions import override
 
 from accumix.errors import ConfigError
 from accumix.precision.policy import PRECISION_WORDS
@@ -35,7 +33,6 @@ from accumix.recipes.text_data import (
     stdlib_files,
 )
 from accumix.strategies.registry import STRATEGY_WORDS
-from accumix.trainer.events import Callback
 
 BACKENDS = ("torch", "jax")
 MODEL_FILE = "model.safetensors"
@@ -281,6 +278,7 @@ def run(config: TrainConfig) -> int:
         ConfigError: settings that cannot work here (batch sizes that do not divide, ...).
     """
     import accumix as ax
+    from accumix.recipes.tracking import SaveModelAtEnd, tracking_options
     from accumix.trainer import ThroughputMonitor, Trainer, scale_lr, warmup_schedule
 
     started = time.perf_counter()
@@ -333,28 +331,6 @@ def run(config: TrainConfig) -> int:
         acc.print("sample:\n" + text, flush=True)
     acc.end()
     return 0
-
-
-def tracking_options(config: TrainConfig) -> dict[str, Any]:
-    """The Trainer's logger keywords from the config: the loggers, ``log_model``, the system
-    metrics' interval, the job's name and the resolved config (logged as trackers' params)."""
-    from accumix.trainer.config import to_dict
-
-    return {"loggers": list(config.loggers) if config.loggers is not None else None,
-            "log_model": config.log_model, "run_name": config.name,
-            "system_metrics_every": config.system_metrics_every, "config": to_dict(config)}
-
-
-class SaveModelAtEnd(Callback):
-    """Writes the final ``model.safetensors`` in ``on_fit_end`` (collective), before the
-    trackers close, so ``log_model=true`` can upload it."""
-
-    def __init__(self, save: Callable[[], Any]) -> None:
-        self.save = save
-
-    @override
-    def on_fit_end(self, trainer: Any) -> None:
-        self.save()
 
 
 def report(acc: Any, config: TrainConfig, result: Any, *, num_val: int, started: float) -> None:

@@ -23,12 +23,10 @@ from accumix.recipes import gpt_jax
 from accumix.recipes.default import (
     MODEL_FILE,
     SampleConfig,
-    SaveModelAtEnd,
     TrainConfig,
     datasets,
     report,
     total_steps,
-    tracking_options,
 )
 from accumix.recipes.gpt import IGNORE_INDEX, GPTConfig
 from accumix.recipes.text_data import (
@@ -36,6 +34,7 @@ from accumix.recipes.text_data import (
     encode,
     pad_collate,
 )
+from accumix.recipes.tracking import SaveModelAtEnd, tracking_options
 
 
 def padded_collate(batch: list[torch.Tensor], *, length: int, rows: int) -> dict[str, Any]:
