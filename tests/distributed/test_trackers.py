@@ -31,8 +31,8 @@ JOB = ["nproc=2", "global_batch_size=8", "micro_batch_size=2", "precision=fp32",
 
 @pytest.fixture
 def listener() -> Iterator[list[str]]:
-    """A loopback TCP server standing in for every network destination; yields the peers that
-    connected (the test wants none)."""
+    """A loopback TCP server standing in for every network destination; yields its port, then
+    the first bytes of each connection made to it (the test wants none)."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)
@@ -43,10 +43,14 @@ def listener() -> Iterator[list[str]]:
     def accept() -> None:
         while not stop.is_set():
             try:
-                conn, peer = server.accept()
+                conn, _ = server.accept()
             except OSError:
                 continue
-            peers.append(str(peer))
+            conn.settimeout(2)
+            try:
+                peers.append(conn.recv(120).decode(errors="replace"))  # the request line
+            except OSError as exc:
+                peers.append(repr(exc))
             conn.close()
 
     thread = threading.Thread(target=accept, daemon=True)

@@ -49,6 +49,8 @@ class WandbLogger(TrackerLogger):
 
         assert self.run_dir is not None
         mode = self.mode or os.environ.get("WANDB_MODE") or "offline"
+        if mode == "offline":  # offline means no network: W&B's usage reports stay off too
+            os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         run_id = saved["run_id"] if saved else uuid.uuid4().hex[:12]
         try:
             self._run = wandb.init(
