@@ -1,0 +1,345 @@
+"""``micro_batch_size="auto"`` on torch: probe the set-up model, agree across ranks, choose.
+
+Each candidate size n (``micro_batch_search.candidates``: the divisors of G / world, so K is an
+integer) is probed by bisection. One probe runs on every rank, under the real strategy and
+precision, what a window's micro-step allocates at its worst:
+
+* the user's step (forward + loss) on ``make_batch(n)``, the longest batch the data can give,
+  under the precision's autocast, and its backward (scaled as fp16 scales it) with gradient
+  communication off, as off the boundary: the window holds these gradients (under FSDP the
+  unsharded ones), and no collective of the backend runs in the backward;
+* the first optimizer step's allocations: an optimizer with no state yet is copied with
+  ``lr=0`` over the same parameters and stepped once, so its states are allocated and measured
+  while the real optimizer stays untouched (one with state already, e.g. DeepSpeed's which
+  allocates it at setup, is part of the baseline).
+
+**Agreement without a hang.** The decision is the minimum over ranks: one ``all_gather`` of
+``[failed, peak, limit]`` per probe. An out-of-memory error on one rank must not leave the
+others inside a collective it will never join (FSDP all-gathers in forward and backward; DDP
+broadcasts buffers before its forward). So every place the backend may communicate is preceded
+by a *checkpoint*, the same gather of ``[0, 0, 0]``: a forward pre-hook (run before the
+strategy's own) and a hook on the outputs' gradients (run before the strategy's pre-backward) of
+each unit that communicates (``Strategy.probe_units``), and one before the backward. A rank
+that fails stops and makes exactly one more gather, ``[1, 0, 0]``; the other ranks meet it at
+their next checkpoint, see the flag and stop there too. Every rank so makes the same number of
+gathers, and no backend collective is ever started on one rank alone. (DeepSpeed ZeRO-2 reduces
+inside its backward's epilogue, out of reach of a checkpoint: an error *during* its backward on
+one rank only is left to the collective timeout there.)
+
+**Probing changes nothing.** Parameters and buffers (this rank's shards) are copied to the host
+once before the search and copied back after it; every RNG stream (python, numpy, torch, CUDA)
+is captured and restored; gradients the probe made are dropped (``Strategy.clear_gradients``);
+the loss scale is read, never updated; the accumulation window and the loaders are not touched
+(the loader is set up after the choice). An ``auto`` run is therefore bit-identical to the run
+given the chosen size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from accumix import rng_state
+from accumix.data import move_to_device
+from accumix.errors import ConfigError
+from accumix.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    MicroBatchChoice,
+    candidates,
+    fits_with_headroom,
+    largest_fitting,
+)
+from accumix.peak_memory import PeakMeter, device_model, release_cached
+
+if TYPE_CHECKING:
+    from accumix.accelerator import Accelerator
+
+log = logging.getLogger("accumix")
+
+StepFn = Callable[[Any], Any]
+MakeBatch = Callable[[int], Any]
+CACHE_FILE = "micro_batch_auto.json"
+
+
+class _PeerFailed(Exception):
+    """Another rank could not run this probe; this rank stops it at its checkpoint."""
+
+
+class _Agreement:
+    """The checkpoints of one probe (see the module's docstring): one gather each."""
+
+    def __init__(self, acc: Accelerator) -> None:
+        self.acc = acc
+        self.stopped = False
+
+    def gather(self, failed: bool = False, peak: int = 0, limit: int = 0) -> list[list[float]]:
+        row = torch.tensor([float(failed), float(peak), float(limit)], dtype=torch.float64,
+                           device=self.acc.device)
+        return [r.tolist() for r in self.acc.strategy.all_gather(row)]
+
+    def checkpoint(self) -> None:
+        if self.stopped:  # hooks firing after the stop make no more gathers
+            return
+        if any(row[0] for row in self.gather()):
+            self.stopped = True
+            raise _PeerFailed
+
+    def fail(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.gather(failed=True)
+
+    def final(self, peak: int, limit: int) -> list[list[float]] | None:
+        """The last gather: every rank's peak and limit, or None when one failed."""
+        if self.stopped:
+            return None
+        rows = self.gather(peak=peak, limit=limit)
+        self.stopped = True
+        return None if any(row[0] for row in rows) else rows
+
+
+def choose_micro_batch(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
+                       headroom: float = DEFAULT_HEADROOM,
+                       run_dir: str | os.PathLike[str] | None = None) -> MicroBatchChoice:
+    """The largest candidate micro-batch that fits on every rank (collective).
+
+    Args:
+        acc: the Accelerator, its models and optimizers set up.
+        step: ``step(batch) -> loss`` (or ``(loss_sum, num_items)``, or an object with ``.loss``).
+        make_batch: ``make_batch(n)``: a batch of n rows, the longest the data can give.
+        headroom: the fraction of the limit left free.
+        run_dir: where the answer is cached, keyed by what it depends on; None: no cache.
+
+    Raises:
+        ConfigError: not even a micro-batch of 1 fits, or a bad ``headroom``.
+    """
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
+            or not 0 <= headroom < 1:
+        raise ConfigError(f"headroom={headroom!r} is invalid; use a fraction in [0, 1), "
+                          "e.g. 0.1")
+    _, global_batch, _ = acc._batch_sizes
+    world = acc.strategy.dp_world_size
+    sizes = candidates(global_batch, world)
+    rng = rng_state.capture(acc)  # make_batch and the probes may draw: restored at the end
+    try:
+        return _choose(acc, step, make_batch, sizes, headroom, run_dir)
+    finally:
+        rng_state.restore(acc, rng)
+
+
+def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[int],
+            headroom: float, run_dir: str | os.PathLike[str] | None) -> MicroBatchChoice:
+    _, global_batch, _ = acc._batch_sizes
+    world, limit = acc.strategy.dp_world_size, acc._memory_limit
+    key = _cache_key(acc, make_batch, global_batch, headroom)
+    cached = _read_cache(run_dir, key)
+    agreed = acc.strategy.all_gather(torch.tensor([cached or 0], device=acc.device))
+    if all(int(t.item()) in sizes for t in agreed) and len({int(t.item()) for t in agreed}) == 1:
+        micro = int(agreed[0].item())
+        choice = MicroBatchChoice(micro_batch_size=micro, grad_accum_steps=global_batch // (
+            micro * world), dp_world_size=world, global_batch_size=global_batch,
+            peak_bytes=0, limit_bytes=limit, tightest_rank=0, probes=0)
+        log.info("%s (cached in %s)", choice.describe().split(":")[0], run_dir)
+        return choice
+    results: dict[int, list[list[float]]] = {}
+
+    def fits(n: int) -> bool:
+        rows = _probe(acc, step, make_batch, n, limit)
+        if rows is None:
+            return False
+        results[n] = rows
+        return all(fits_with_headroom(int(peak), int(lim), headroom) for _, peak, lim in rows)
+
+    with _parameters_preserved(acc):
+        best, probes = largest_fitting(sizes, fits)
+    if best is None:
+        detail = (f"peak {results[1]} [failed, peak, limit] per rank" if 1 in results
+                  else "a rank ran out of memory")
+        raise ConfigError(f"micro_batch_size='auto': not even a micro-batch of 1 fits in "
+                          f"memory_limit={limit} bytes with headroom {headroom} ({detail}); "
+                          "use a larger memory_limit, a sharding strategy (fsdp) or a smaller "
+                          "model")
+    rows = results[best]
+    tightest = max(range(len(rows)), key=lambda r: rows[r][1] / max(rows[r][2], 1))
+    choice = MicroBatchChoice(
+        micro_batch_size=best, grad_accum_steps=global_batch // (best * world),
+        dp_world_size=world, global_batch_size=global_batch, peak_bytes=int(rows[tightest][1]),
+        limit_bytes=int(rows[tightest][2]), tightest_rank=tightest, probes=probes)
+    log.info(choice.describe())
+    _write_cache(acc, run_dir, key, best)
+    return choice
+
+
+def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit: int
+           ) -> list[list[float]] | None:
+    """One probe of size n on every rank: each rank's ``[0, peak, limit]``, or None when a rank
+    ran out of memory (then every rank returns None, having made the same collectives)."""
+    agreement = _Agreement(acc)
+    meter = PeakMeter(acc.device)
+    failed = False
+    rows = None
+    try:
+        with _checkpoint_hooks(acc, agreement), meter.measure():
+            _step_once(acc, step, make_batch(n), agreement)
+        rows = agreement.final(meter.peak, limit)
+    except torch.OutOfMemoryError:
+        failed = True
+    except _PeerFailed:
+        pass
+    finally:
+        for model in acc._models:
+            acc.strategy.clear_gradients(model)
+    if failed:  # outside the handler: its traceback (and the tensors it holds) is gone
+        release_cached(acc.device)
+        agreement.fail()
+    release_cached(acc.device)
+    return rows
+
+
+def _step_once(acc: Accelerator, step: StepFn, batch: Any, agreement: _Agreement) -> None:
+    """Forward, backward without gradient communication, and the optimizers' first states."""
+    batch = move_to_device(batch, acc.device)
+    with ExitStack() as no_sync:
+        for model in acc._models:
+            no_sync.enter_context(acc.strategy.no_sync(model))
+        loss = _loss_of(step(batch))
+        agreement.checkpoint()  # the backward may communicate (FSDP all-gathers)
+        scale = acc.strategy.scaler.scale
+        acc.strategy.backward(loss * scale if scale != 1.0 else loss,
+                              acc._models[0] if acc._models else None)
+    del loss, batch
+    _allocate_optimizer_states(acc)
+
+
+@contextmanager
+def _checkpoint_hooks(acc: Accelerator, agreement: _Agreement) -> Iterator[None]:
+    """A checkpoint before each communicating unit's forward and before its backward."""
+
+    def before_forward(_module: nn.Module, _args: Any) -> None:
+        agreement.checkpoint()
+
+    def after_forward(_module: nn.Module, _args: Any, output: Any) -> None:
+        tensors = [t for t in tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        for tensor in tensors:
+            # Registered before the strategy's own hook (this forward hook is prepended), so
+            # it runs first when the gradient arrives.
+            tensor.register_hook(lambda grad: (agreement.checkpoint(), grad)[1])
+
+    handles = []
+    for model in acc._models:
+        for unit in acc.strategy.probe_units(model):
+            handles.append(unit.register_forward_pre_hook(before_forward, prepend=True))
+            handles.append(unit.register_forward_hook(after_forward, prepend=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _allocate_optimizer_states(acc: Accelerator) -> None:
+    """Allocates what each stateless optimizer's first step would, without stepping it."""
+    for wrapped in acc._optimizers:
+        optimizer = wrapped.optimizer
+        if optimizer.state:
+            continue
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        made = [p for p in params if p.grad is None]
+        for p in made:  # at the boundary these hold the (reduced) window's gradients
+            p.grad = torch.zeros_like(p)
+        groups = [{**g, "lr": 0.0} for g in optimizer.param_groups]
+        # Each group carries every hyper-parameter; the constructor gets the defaults it names.
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        try:
+            shadow = type(optimizer)(groups, **defaults)
+        except (TypeError, ValueError):  # a constructor that does not take its defaults back: not measured
+            log.warning("micro_batch_size='auto' cannot copy %s to measure its states; "
+                        "they are left out of the probe", type(optimizer).__name__)
+            continue
+        shadow.step()
+        del shadow
+        for p in made:
+            p.grad = None
+
+
+@contextmanager
+def _parameters_preserved(acc: Accelerator) -> Iterator[None]:
+    """Restores every parameter and buffer (this rank's shards) after the search."""
+    tensors = [t for model in acc._models
+               for t in (*model.parameters(), *model.buffers())]
+    saved = [_local(t.detach()).to("cpu", copy=True) for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, copy in zip(tensors, saved, strict=True):
+                _local(tensor.detach()).copy_(copy)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    loss = getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"the probe's step returned {type(output).__name__}; return the loss "
+                          "tensor, (loss_sum, num_items) or an object with .loss")
+    return loss
+
+
+# -- the cache (elastic restarts) ------------------------------------------------------------------
+def _cache_key(acc: Accelerator, make_batch: MakeBatch, global_batch: int, headroom: float
+               ) -> str:
+    """What the answer depends on: world, precision, strategy, the batch's shapes per row, the
+    device model, the model's size, the global batch, the limit and the headroom."""
+    sample = make_batch(1)
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(sample)
+              if isinstance(t, torch.Tensor)]
+    params = sum(p.numel() for model in acc._models for p in model.parameters())
+    parts = {"world": acc.strategy.dp_world_size, "precision": acc.policy.name,
+             "strategy": acc.strategy.name, "shapes": repr(shapes),
+             "device": device_model(acc.device), "params": params,
+             "global_batch": global_batch, "limit": acc._memory_limit, "headroom": headroom}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_cache(run_dir: str | os.PathLike[str] | None, key: str) -> int | None:
+    if run_dir is None:
+        return None
+    try:
+        entries = json.loads((Path(run_dir) / CACHE_FILE).read_text())
+        return int(entries[key]["micro_batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(acc: Accelerator, run_dir: str | os.PathLike[str] | None, key: str,
+                 micro: int) -> None:
+    if run_dir is None or not acc.is_main_process:
+        return
+    path = Path(run_dir) / CACHE_FILE
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {"micro_batch_size": micro}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(tmp, path)
