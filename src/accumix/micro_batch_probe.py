@@ -213,12 +213,16 @@ def _step_once(acc: Accelerator, step: StepFn, batch: Any, agreement: _Agreement
     with ExitStack() as no_sync:
         for model in acc._models:
             no_sync.enter_context(acc.strategy.no_sync(model))
-        loss = _loss_of(step(batch))
-        agreement.checkpoint()  # the backward may communicate (FSDP all-gathers)
-        scale = acc.strategy.scaler.scale
-        acc.strategy.backward(loss * scale if scale != 1.0 else loss,
-                              acc._models[0] if acc._models else None)
-    del loss, batch
+        try:
+            loss = _loss_of(step(batch))
+            agreement.checkpoint()  # the backward may communicate (FSDP all-gathers)
+            scale = acc.strategy.scaler.scale
+            acc.strategy.backward(loss * scale if scale != 1.0 else loss,
+                                  acc._models[0] if acc._models else None)
+            del loss, batch
+        finally:  # still without gradient sync: a stopped backward's cleanup must not talk
+            for model in acc._models:
+                acc.strategy.clear_gradients(model)
     _allocate_optimizer_states(acc)
 
 
@@ -265,7 +269,7 @@ def _allocate_optimizer_states(acc: Accelerator) -> None:
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         try:
             shadow = type(optimizer)(groups, **defaults)
-        except (TypeError, ValueError):  # a constructor that does not take its defaults back: not measured
+        except (TypeError, ValueError):  # a constructor that cannot be called like this
             log.warning("micro_batch_size='auto' cannot copy %s to measure its states; "
                         "they are left out of the probe", type(optimizer).__name__)
             continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,11 +47,13 @@ class _StorageGrowth(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor) -> None:
+        if hasattr(tensor, "to_local"):  # a DTensor: its shard holds the memory
+            tensor = tensor.to_local()
         try:
             storage = tensor.untyped_storage()
+            size, ptr = storage.nbytes(), storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
             return
-        size, ptr = storage.nbytes(), storage.data_ptr()
         if not size or ptr in self._alive:  # a view or an in-place result: nothing new
             return
         self._alive[ptr] = size
@@ -68,14 +71,17 @@ class _StorageGrowth(TorchDispatchMode):
 def live_cpu_tensor_bytes() -> int:
     """The bytes of every CPU tensor storage alive in this process (each storage once)."""
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_meta:
-                continue
-            storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError, ReferenceError):
-            continue
-        seen[storage.data_ptr()] = storage.nbytes()
+    with warnings.catch_warnings():  # isinstance on deprecated lazy module attributes warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" \
+                        or obj.is_meta:
+                    continue
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError, ReferenceError):
+                continue  # a freed storage (FSDP resizes its buffers to 0), a subclass
     return sum(seen.values())
 
 

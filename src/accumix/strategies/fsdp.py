@@ -195,6 +195,12 @@ class FSDPStrategy(Strategy):
         """Also the unsharded gradients FSDP2 keeps off the boundary (on its unsharded
         parameters, or upcast beside them), which a later boundary would reduce."""
         super().clear_gradients(model)
+        root = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
+        if root is not None and root._state_ctx.post_backward_final_callback_queued:
+            # A backward stopped by an error never ran FSDP2's end-of-backward callback (its
+            # states would stay mid-backward); called here, inside the probe's no_sync, it
+            # reshards and resets without communicating.
+            root._root_post_backward_final_callback()
         for unit in self.probe_units(model):
             if not isinstance(unit, FSDPModule):
                 continue
