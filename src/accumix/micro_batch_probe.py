@@ -181,12 +181,25 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
     return choice
 
 
-def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit: int
-           ) -> list[list[float]] | None:
+def measure(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int) -> PeakMeter | None:
+    """One probe of size n (collective), state restored: this rank's meter (``peak``, and
+    ``growth`` above the bytes alive before), or None when some rank ran out of memory."""
+    rng = rng_state.capture(acc)
+    try:
+        with _parameters_preserved(acc):
+            meter = PeakMeter(acc.device)
+            rows = _probe(acc, step, make_batch, n, acc._memory_limit, meter)
+    finally:
+        rng_state.restore(acc, rng)
+    return None if rows is None else meter
+
+
+def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit: int,
+           meter: PeakMeter | None = None) -> list[list[float]] | None:
     """One probe of size n on every rank: each rank's ``[0, peak, limit]``, or None when a rank
     ran out of memory (then every rank returns None, having made the same collectives)."""
     agreement = _Agreement(acc)
-    meter = PeakMeter(acc.device)
+    meter = meter or PeakMeter(acc.device)
     failed = False
     rows = None
     try:

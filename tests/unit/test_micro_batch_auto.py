@@ -1,0 +1,114 @@
+"""``micro_batch_size="auto"`` on one CPU process: against ``memory_limit=`` the largest candidate
+whose measured peak fits is chosen and the next one up does not fit (item and mean modes); the
+measured peak is the process's real peak RSS growth; the loader is re-batched, K follows; bad
+input is a one-line ConfigError."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import accumix as ax
+from accumix.micro_batch_probe import CACHE_FILE, measure
+
+GLOBAL = 24  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
+
+
+class Wide(nn.Module):
+    """Few parameters, ``width`` KB of activations per row (5 MB at 4096): the peak grows with
+    the rows."""
+
+    def __init__(self, width: int = 1024) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(64, 64)
+        self.scale = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.lin(x)).unsqueeze(-1) * self.scale).square()
+
+
+def _set_up(width: int = 1024, **kwargs: object) -> tuple[ax.Accelerator, nn.Module, object]:
+    acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", **kwargs)
+    net = Wide(width)
+    model, optimizer = acc.setup(net, torch.optim.AdamW(net.parameters()))
+    return acc, model, optimizer
+
+
+def _make(n: int) -> torch.Tensor:
+    return torch.randn(n, 64)
+
+
+@pytest.mark.parametrize("mode", ["mean", "items"])
+def test_cpu_memory_limit_chooses_the_largest_measured_fit(mode: str, tmp_path: Path) -> None:
+    def step_of(model: nn.Module):  # noqa: ANN202
+        if mode == "mean":
+            return lambda x: model(x).mean()
+        return lambda x: (model(x).sum(), x.shape[0])
+
+    acc, model, _ = _set_up()
+    peaks = {n: measure(acc, step_of(model), _make, n).peak for n in (6, 8)}
+    del acc, model
+    limit = int((peaks[6] + peaks[8]) / 2 / 0.9)  # 6 fits with 10% headroom, 8 does not
+    assert peaks[6] <= 0.9 * limit < peaks[8]
+
+    acc, model, optimizer = _set_up(memory_limit=limit)
+    assert acc.find_micro_batch_size(step_of(model), _make, run_dir=tmp_path) == 6
+    choice = acc.micro_batch_choice
+    assert (choice.grad_accum_steps, choice.limit_bytes) == (4, limit)
+    assert choice.peak_bytes <= 0.9 * limit
+    data = TensorDataset(torch.randn(48, 64))
+    loader = acc.setup(DataLoader(data, batch_size=5, shuffle=True))
+    assert (loader.batch_size, acc.grad_accum_steps, len(loader)) == (6, 4, 8)
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 1
+
+
+def test_measured_peak_is_the_real_peak_rss_growth() -> None:
+    script = f"""
+import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+import torch
+from tests.unit.test_micro_batch_auto import _make, _set_up
+from accumix.micro_batch_probe import measure
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+acc, model, _ = _set_up(4096)
+step = lambda x: model(x).mean()
+measure(acc, step, _make, 2)  # warm up: first-call allocations are not the step's
+before = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+meter = measure(acc, step, _make, 40)
+print(meter.growth, status("VmHWM:") - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout.split()
+    measured, rss = int(out[-2]), int(out[-1])
+    assert rss > 150 * 2**20  # the step really grew the process (5 MB a row x 40)
+    assert 0.9 < measured / rss < 1.1, (measured, rss)
+
+
+def test_bad_input_is_one_line_config_error() -> None:
+    with pytest.raises(ax.ConfigError, match="needs global_batch_size"):
+        ax.Accelerator(micro_batch_size="auto")
+    with pytest.raises(ax.ConfigError, match="'large' is invalid"):
+        ax.Accelerator(global_batch_size=8, micro_batch_size="large")
+    with pytest.raises(ax.ConfigError, match="above the device's"):
+        ax.Accelerator(global_batch_size=8, micro_batch_size="auto", memory_limit=2**62)
+    acc, model, _ = _set_up(memory_limit=2**20)  # below the model with one row
+    with pytest.raises(ax.ConfigError, match="not chosen yet") as error:
+        acc.setup(DataLoader(TensorDataset(torch.randn(4, 64)), batch_size=2))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ax.ConfigError, match="not even a micro-batch of 1 fits") as error:
+        acc.find_micro_batch_size(lambda x: model(x).mean(), _make)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ax.ConfigError, match="headroom"):
+        acc.find_micro_batch_size(lambda x: model(x).mean(), _make, headroom=1.5)
