@@ -58,6 +58,7 @@ from accumix.micro_batch_search import (
     MicroBatchChoice,
     candidates,
     fits_with_headroom,
+    is_auto,
     largest_fitting,
 )
 from accumix.peak_memory import PeakMeter, device_model, release_cached
@@ -318,6 +319,35 @@ def _loss_of(output: Any) -> torch.Tensor:
         raise ConfigError(f"the probe's step returned {type(output).__name__}; return the loss "
                           "tensor, (loss_sum, num_items) or an object with .loss")
     return loss
+
+
+def needs_choice(acc: Accelerator) -> bool:
+    """Whether ``micro_batch_size="auto"`` is still to be chosen on ``acc``."""
+    return is_auto(acc._batch_sizes[2])
+
+
+def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:
+    """A ``make_batch`` for a DataLoader over a map-style dataset: n copies of the largest of
+    its first ``scan`` samples (by tensor elements), through the loader's ``collate_fn``. Give
+    your own ``make_batch`` when the longest sample the data can give is known (the recipe's:
+    ``block_size`` tokens).
+
+    Raises:
+        ConfigError: a dataset without ``len`` and indexing (an IterableDataset).
+    """
+    dataset, collate = loader.dataset, loader.collate_fn
+    try:
+        count = min(len(dataset), scan)
+        sizes = [sum(t.numel() for t in tree_leaves(dataset[i]) if isinstance(t, torch.Tensor))
+                 for i in range(count)]
+    except (TypeError, NotImplementedError) as exc:
+        raise ConfigError(f"micro_batch_size='auto' cannot build a probe batch from "
+                          f"{type(dataset).__name__} (no len/indexing); call "
+                          "acc.find_micro_batch_size(step, make_batch) yourself") from exc
+    if not count:
+        raise ConfigError("micro_batch_size='auto': the DataLoader's dataset is empty")
+    largest = dataset[max(range(count), key=sizes.__getitem__)]
+    return lambda n: collate([largest] * n)
 
 
 # -- the cache (elastic restarts) ------------------------------------------------------------------

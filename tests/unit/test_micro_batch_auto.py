@@ -6,6 +6,7 @@ input is a one-line ConfigError."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,30 @@ def test_bad_input_is_one_line_config_error() -> None:
     assert "\n" not in str(error.value)
     with pytest.raises(ax.ConfigError, match="headroom"):
         acc.find_micro_batch_size(lambda x: model(x).mean(), _make, headroom=1.5)
+
+
+def test_recipe_auto_then_an_elastic_restart_on_two_ranks(tmp_path: Path) -> None:
+    """``accumix train micro_batch_size=auto``: one rank chooses 8 of 16 (K=2) under a limit,
+    checkpoints; the restart on 2 ranks keeps global 16, probes again (another world: another
+    cache key) and derives K=1."""
+    tiny = ["model.n_layer=1", "model.n_embd=64", "model.n_head=2", "model.block_size=64",
+            "data.max_files=20", "data.max_val_bytes=2000", "sample.max_new_tokens=0",
+            "optimizer.warmup_steps=1", "global_batch_size=16", "micro_batch_size=auto",
+            "memory_limit=7000000", "progress_bar=false", "plot=false", "eval_every=null",
+            f"output_dir={tmp_path}"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    lines = []
+    for steps, nproc in ((1, 1), (2, 2)):
+        done = subprocess.run(
+            [sys.executable, "-m", "accumix.cli.main", "train", *tiny, f"max_steps={steps}",
+             f"checkpoint_every={steps}", f"nproc={nproc}"],
+            capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines += [line for line in done.stderr.splitlines()
+                  if "micro_batch_size=auto chose" in line]
+    assert "micro_batch_size=auto chose 8 (K=2 on 1 rank, global 16): peak" in lines[0]
+    assert "micro_batch_size=auto chose 8 (K=1 on 2 ranks, global 16): peak" in lines[1]
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 2
+    assert [r.split(",")[0] for r in (tmp_path / "metrics.csv").read_text().split()[1:]] == [
+        "1", "2"]
