@@ -140,3 +140,28 @@ def test_recipe_auto_then_an_elastic_restart_on_two_ranks(tmp_path: Path) -> Non
     assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 2
     assert [r.split(",")[0] for r in (tmp_path / "metrics.csv").read_text().split()[1:]] == [
         "1", "2"]
+
+
+def test_trainer_chooses_with_nothing_more_and_equals_the_explicit_run() -> None:
+    """The Trainer probes with its step_fn (which draws noise: the probe must give the RNG
+    back) on the loader's largest sample, re-batches the loader and trains as the run given
+    the chosen size does, bitwise."""
+    from accumix.trainer import Trainer
+
+    def noisy(model: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
+        return model(batch[0] + 0.1 * torch.randn_like(batch[0])).mean()
+
+    weights = []
+    for micro in ("auto", GLOBAL):
+        acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size=micro, seed=0)
+        net = Wide(64)
+        data = TensorDataset(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
+        trainer = Trainer(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.1),
+                          train_loader=DataLoader(data, batch_size=5 if micro == "auto" else
+                                                  micro, shuffle=True),
+                          accelerator=acc, step_fn=noisy, max_steps=2, progress_bar=False)
+        trainer.fit()
+        assert (acc.grad_accum_steps, trainer.train_loader.batch_size) == (1, GLOBAL)
+        weights.append(acc.unwrap(trainer.model).scale.detach().clone())
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[0], Wide(64).scale)
