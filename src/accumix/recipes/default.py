@@ -261,6 +261,32 @@ def gpt_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     return model(batch["input_ids"], labels=batch["labels"])
 
 
+def choose_micro_batch(acc: Any, config: TrainConfig, model: GPT, optimizer: Any, *,
+                       cache: bool = True) -> tuple[Any, Any, int]:
+    """``micro_batch_size=auto``: sets up the model and optimizer and probes them with
+    ``block_size``-token documents (the longest the data gives); the choice is cached in the run
+    directory when ``cache``. Returns the set-up model, optimizer and the chosen micro batch."""
+    trained, stepped = acc.setup(model, optimizer)
+    worst = [torch.zeros(config.model.block_size + 1, dtype=torch.int64)]  # a full block
+    micro = acc.find_micro_batch_size(lambda batch: gpt_step(trained, batch),
+                                      lambda n: pad_collate(worst * n),
+                                      run_dir=config.run_dir if cache else None)
+    return trained, stepped, micro
+
+
+def new_optimizer(config: TrainConfig, model: GPT) -> torch.optim.Optimizer:
+    """The recipe's AdamW (learning rate scaled to the global batch when asked)."""
+    opt_cfg = config.optimizer
+    lr = opt_cfg.lr
+    if opt_cfg.base_batch_size is not None:
+        from accumix.trainer import scale_lr
+
+        lr = scale_lr(lr, global_batch_size=config.global_batch_size,
+                      base_batch_size=opt_cfg.base_batch_size, rule=opt_cfg.scale_rule)
+    return torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=lr,
+                             betas=opt_cfg.betas)
+
+
 def run(config: TrainConfig) -> int:
     """Trains the recipe on the processes this one was launched with (collective).
 
@@ -271,7 +297,7 @@ def run(config: TrainConfig) -> int:
         ConfigError: settings that cannot work here (batch sizes that do not divide, ...).
     """
     import accumix as ax
-    from accumix.trainer import ThroughputMonitor, Trainer, scale_lr, warmup_schedule
+    from accumix.trainer import ThroughputMonitor, Trainer, warmup_schedule
 
     started = time.perf_counter()
     acc = ax.Accelerator(strategy=config.strategy, precision=config.precision,
@@ -284,19 +310,10 @@ def run(config: TrainConfig) -> int:
     if config.init_from is not None:
         load_weights(model, config.init_from)
     opt_cfg = config.optimizer
-    lr = opt_cfg.lr
-    if opt_cfg.base_batch_size is not None:
-        lr = scale_lr(lr, global_batch_size=config.global_batch_size,
-                      base_batch_size=opt_cfg.base_batch_size, rule=opt_cfg.scale_rule)
-    optimizer = torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=lr,
-                                  betas=opt_cfg.betas)
+    optimizer = new_optimizer(config, model)
     micro, trained, stepped = config.micro_batch_size, model, optimizer
     if micro == "auto":  # probed now: the loader, the schedule and the Trainer get the choice
-        trained, stepped = acc.setup(model, optimizer)
-        worst = [torch.zeros(config.model.block_size + 1, dtype=torch.int64)]  # a full block
-        micro = acc.find_micro_batch_size(lambda batch: gpt_step(trained, batch),
-                                          lambda n: pad_collate(worst * n),
-                                          run_dir=config.run_dir)
+        trained, stepped, micro = choose_micro_batch(acc, config, model, optimizer)
     loader = DataLoader(train, batch_size=micro, shuffle=True, collate_fn=pad_collate)
     total = total_steps(config, len(train), acc.world_size, acc.grad_accum_steps, micro)
     scheduler = warmup_schedule(optimizer, warmup_steps=min(opt_cfg.warmup_steps, total),
