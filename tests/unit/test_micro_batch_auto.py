@@ -165,3 +165,15 @@ def test_trainer_chooses_with_nothing_more_and_equals_the_explicit_run() -> None
         weights.append(acc.unwrap(trainer.model).scale.detach().clone())
     assert torch.equal(weights[0], weights[1])
     assert not torch.equal(weights[0], Wide(64).scale)
+
+
+def test_estimate_memory_shows_the_choice_without_training(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from accumix.cli.main import main
+
+    assert main(["estimate-memory", "model.n_layer=1", "model.n_embd=64", "model.n_head=2",
+                 "model.block_size=64", "global_batch_size=16", "micro_batch_size=auto",
+                 "memory_limit=7000000", "--world-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "micro_batch_size=auto chose 8 (K=2 on 1 rank, global 16): peak" in out
+    assert "micro batch 8 x 64 tokens" in out

@@ -136,5 +136,8 @@ def _probe_recipe(config: object) -> int:
     model = GPT(config.model)
     _, _, micro = default.choose_micro_batch(acc, config, model,
                                              default.new_optimizer(config, model), cache=False)
+    choice = acc.micro_batch_choice
+    assert choice is not None
+    print(choice.describe())  # the command's output (the log line goes to stderr)
     acc.end()
     return micro
