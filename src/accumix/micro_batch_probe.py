@@ -132,6 +132,8 @@ def choose_micro_batch(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
     _, global_batch, _ = acc._batch_sizes
     world = acc.strategy.dp_world_size
     sizes = candidates(global_batch, world)
+    for model in acc._models:  # a strategy that cannot be probed refuses here, on every rank
+        acc.strategy.probe_units(model)
     rng = rng_state.capture(acc)  # make_batch and the probes may draw: restored at the end
     try:
         return _choose(acc, step, make_batch, sizes, headroom, run_dir)

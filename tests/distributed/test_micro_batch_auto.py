@@ -82,11 +82,14 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
     return chosen, steps, state
 
 
-def _job() -> dict[str, Any]:
+CASES = {"ddp": ("forward",), "fsdp": ("forward", "backward")}
+
+
+def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     out = {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy, injections in cases.items():
         _, steps, explicit = _train(strategy, 4, "")
-        for inject in ("forward", "backward"):
+        for inject in injections:
             chosen, auto_steps, auto = _train(strategy, "auto", inject)
             out[f"{strategy}-{inject}"] = {
                 "chosen": chosen, "steps": (auto_steps, steps),
@@ -97,7 +100,7 @@ def _job() -> dict[str, Any]:
 
 
 def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwise() -> None:
-    results = spawn(_job, nprocs=2, timeout=300)
+    results = spawn(_job, nprocs=2, args=(CASES,), timeout=300)
     for rank, result in enumerate(results):
         for case, facts in result.items():
             assert facts["chosen"] == 4, (rank, case, facts)  # largest divisor of 12 <= 5
