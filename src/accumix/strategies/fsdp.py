@@ -193,14 +193,10 @@ class FSDPStrategy(Strategy):
 
     def clear_gradients(self, model: nn.Module) -> None:
         """Also the unsharded gradients FSDP2 keeps off the boundary (on its unsharded
-        parameters, or upcast beside them), which a later boundary would reduce."""
+        parameters, or upcast beside them), which a later boundary would reduce; and FSDP2's
+        per-iteration state after a probe an error stopped mid-forward or mid-backward
+        (``reset_iter_state``: reshards, forgets the forward order; no collective)."""
         super().clear_gradients(model)
-        root = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
-        if root is not None and root._state_ctx.post_backward_final_callback_queued:
-            # A backward stopped by an error never ran FSDP2's end-of-backward callback (its
-            # states would stay mid-backward); called here, inside the probe's no_sync, it
-            # reshards and resets without communicating.
-            root._root_post_backward_final_callback()
         for unit in self.probe_units(model):
             if not isinstance(unit, FSDPModule):
                 continue
@@ -209,7 +205,8 @@ class FSDPStrategy(Strategy):
                     fp.unsharded_accumulated_grad = None
                     if hasattr(fp, "_unsharded_param"):
                         fp._unsharded_param.grad = None
-            unit.reshard()  # a probe stopped mid-forward may have left a unit gathered
+        if isinstance(model, FSDPModule):
+            model.reset_iter_state()
 
     def grad_marks(self, params: list[nn.Parameter]) -> list[Any]:
         # Off the boundary FSDP2 accumulates into the *unsharded* parameters' gradients (or an
