@@ -319,20 +319,9 @@ class Accelerator:
             ConfigError: ``micro_batch_size`` is not ``"auto"``, nothing was set up, or not even
                 a micro-batch of 1 fits.
         """
-        from accumix.micro_batch_probe import choose_micro_batch
+        from accumix.micro_batch_probe import find_micro_batch_size
 
-        steps, global_batch, micro = self._batch_sizes
-        if not is_auto(micro) or self._micro_batch_choice is not None or not self._models:
-            raise ConfigError(f"find_micro_batch_size needs micro_batch_size='auto' (got "
-                              f"{micro!r}), called once, after acc.setup(model, optimizer)")
-        choice = choose_micro_batch(self, step, make_batch, headroom=headroom, run_dir=run_dir)
-        self._micro_batch_choice = choice
-        self._batch_sizes = (steps, global_batch, choice.micro_batch_size)
-        self._window.grad_accum_steps = self._derive_steps(choice.micro_batch_size) or 1
-        self._steps_known = True
-        self.strategy.set_batch_geometry(micro_batch_size=choice.micro_batch_size,
-                                         grad_accum_steps=self.grad_accum_steps)
-        return choice.micro_batch_size
+        return find_micro_batch_size(self, step, make_batch, headroom=headroom, run_dir=run_dir)
 
     @property
     def micro_batch_choice(self) -> MicroBatchChoice | None:

@@ -36,14 +36,11 @@ given the chosen size.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 from accumix import rng_state
 from accumix.data import move_to_device
 from accumix.errors import ConfigError
+from accumix.micro_batch_cache import cache_key, read_cache, write_cache
 from accumix.micro_batch_search import (
     DEFAULT_HEADROOM,
     MicroBatchChoice,
@@ -61,7 +59,7 @@ from accumix.micro_batch_search import (
     is_auto,
     largest_fitting,
 )
-from accumix.peak_memory import PeakMeter, device_model, release_cached
+from accumix.peak_memory import PeakMeter, release_cached
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
@@ -70,7 +68,6 @@ log = logging.getLogger("accumix")
 
 StepFn = Callable[[Any], Any]
 MakeBatch = Callable[[int], Any]
-CACHE_FILE = "micro_batch_auto.json"
 
 
 class _PeerFailed(Exception):
@@ -110,6 +107,24 @@ class _Agreement:
         return None if any(row[0] for row in rows) else rows
 
 
+def find_micro_batch_size(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
+                          headroom: float, run_dir: str | os.PathLike[str] | None) -> int:
+    """``Accelerator.find_micro_batch_size``: chooses, then gives ``acc`` the micro-batch and
+    the K that follows (the window, the strategy's batch geometry, what loaders get)."""
+    steps, global_batch, micro = acc._batch_sizes
+    if not is_auto(micro) or acc.micro_batch_choice is not None or not acc._models:
+        raise ConfigError(f"find_micro_batch_size needs micro_batch_size='auto' (got "
+                          f"{micro!r}), called once, after acc.setup(model, optimizer)")
+    choice = choose_micro_batch(acc, step, make_batch, headroom=headroom, run_dir=run_dir)
+    acc._micro_batch_choice = choice
+    acc._batch_sizes = (steps, global_batch, choice.micro_batch_size)
+    acc._window.grad_accum_steps = acc._derive_steps(choice.micro_batch_size) or 1
+    acc._steps_known = True
+    acc.strategy.set_batch_geometry(micro_batch_size=choice.micro_batch_size,
+                                    grad_accum_steps=acc.grad_accum_steps)
+    return choice.micro_batch_size
+
+
 def choose_micro_batch(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
                        headroom: float = DEFAULT_HEADROOM,
                        run_dir: str | os.PathLike[str] | None = None) -> MicroBatchChoice:
@@ -145,8 +160,8 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
             headroom: float, run_dir: str | os.PathLike[str] | None) -> MicroBatchChoice:
     _, global_batch, _ = acc._batch_sizes
     world, limit = acc.strategy.dp_world_size, acc._memory_limit
-    key = _cache_key(acc, make_batch, global_batch, headroom)
-    cached = _read_cache(run_dir, key)
+    key = cache_key(acc, make_batch(1), global_batch, headroom)
+    cached = read_cache(run_dir, key)
     agreed = acc.strategy.all_gather(torch.tensor([cached or 0], device=acc.device))
     if all(int(t.item()) in sizes for t in agreed) and len({int(t.item()) for t in agreed}) == 1:
         micro = int(agreed[0].item())
@@ -180,7 +195,8 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
         dp_world_size=world, global_batch_size=global_batch, peak_bytes=int(rows[tightest][1]),
         limit_bytes=int(rows[tightest][2]), tightest_rank=tightest, probes=probes)
     log.info(choice.describe())
-    _write_cache(acc, run_dir, key, best)
+    if acc.is_main_process:
+        write_cache(run_dir, key, best)
     return choice
 
 
@@ -350,45 +366,3 @@ def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:
         raise ConfigError("micro_batch_size='auto': the DataLoader's dataset is empty")
     largest = dataset[max(range(count), key=sizes.__getitem__)]
     return lambda n: collate([largest] * n)
-
-
-# -- the cache (elastic restarts) ------------------------------------------------------------------
-def _cache_key(acc: Accelerator, make_batch: MakeBatch, global_batch: int, headroom: float
-               ) -> str:
-    """What the answer depends on: world, precision, strategy, the batch's shapes per row, the
-    device model, the model's size, the global batch, the limit and the headroom."""
-    sample = make_batch(1)
-    shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(sample)
-              if isinstance(t, torch.Tensor)]
-    params = sum(p.numel() for model in acc._models for p in model.parameters())
-    parts = {"world": acc.strategy.dp_world_size, "precision": acc.policy.name,
-             "strategy": acc.strategy.name, "shapes": repr(shapes),
-             "device": device_model(acc.device), "params": params,
-             "global_batch": global_batch, "limit": acc._memory_limit, "headroom": headroom}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _read_cache(run_dir: str | os.PathLike[str] | None, key: str) -> int | None:
-    if run_dir is None:
-        return None
-    try:
-        entries = json.loads((Path(run_dir) / CACHE_FILE).read_text())
-        return int(entries[key]["micro_batch_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write_cache(acc: Accelerator, run_dir: str | os.PathLike[str] | None, key: str,
-                 micro: int) -> None:
-    if run_dir is None or not acc.is_main_process:
-        return
-    path = Path(run_dir) / CACHE_FILE
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    entries[key] = {"micro_batch_size": micro}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    os.replace(tmp, path)

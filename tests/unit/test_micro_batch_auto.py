@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
-from accumix.micro_batch_probe import CACHE_FILE, measure
+from accumix.micro_batch_cache import CACHE_FILE
+from accumix.micro_batch_probe import measure
 
 GLOBAL = 24  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
 
