@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import numbers
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -115,6 +116,9 @@ def find_micro_batch_size(acc: Accelerator, step: StepFn, make_batch: MakeBatch,
     if not is_auto(micro) or acc.micro_batch_choice is not None or not acc._models:
         raise ConfigError(f"find_micro_batch_size needs micro_batch_size='auto' (got "
                           f"{micro!r}), called once, after acc.setup(model, optimizer)")
+    if steps is not None:
+        raise ConfigError(f"grad_accum_steps={steps} with micro_batch_size='auto': K follows "
+                          "from the chosen size; give global_batch_size only")
     choice = choose_micro_batch(acc, step, make_batch, headroom=headroom, run_dir=run_dir)
     acc._micro_batch_choice = choice
     acc._batch_sizes = (steps, global_batch, choice.micro_batch_size)
@@ -140,8 +144,8 @@ def choose_micro_batch(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
     Raises:
         ConfigError: not even a micro-batch of 1 fits, or a bad ``headroom``.
     """
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
-            or not 0 <= headroom < 1:
+    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real) \
+            or not 0 <= float(headroom) < 1:
         raise ConfigError(f"headroom={headroom!r} is invalid; use a fraction in [0, 1), "
                           "e.g. 0.1")
     _, global_batch, _ = acc._batch_sizes
@@ -171,16 +175,29 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
         log.info("%s (cached in %s)", choice.describe().split(":")[0], run_dir)
         return choice
     results: dict[int, list[list[float]]] = {}
+    verdicts: dict[int, bool] = {}
 
     def fits(n: int) -> bool:
-        rows = _probe(acc, step, make_batch, n, limit)
-        if rows is None:
-            return False
-        results[n] = rows
-        return all(fits_with_headroom(int(peak), int(lim), headroom) for _, peak, lim in rows)
+        if n not in verdicts:
+            if verdicts.get(sizes[0]) is False or _far_over(results, sizes, n, headroom):
+                verdicts[n] = False
+            else:
+                rows = _probe(acc, step, make_batch, n, limit)
+                if rows is not None:
+                    results[n] = rows
+                verdicts[n] = rows is not None and all(
+                    fits_with_headroom(int(peak), int(lim), headroom) for _, peak, lim in rows)
+        return verdicts[n]
 
     with _parameters_preserved(acc):
-        best, probes = largest_fitting(sizes, fits)
+        if acc.device.type == "cpu":
+            # No out-of-memory error on CPU before the kernel kills the process: the two
+            # smallest sizes first give each rank's bytes per row, and a size predicted far past
+            # the limit is not run (``_far_over``).
+            for n in sizes[:2]:
+                fits(n)
+        best, _ = largest_fitting(sizes, fits)
+    probes = len(results)
     if best is None:
         detail = (f"peak {results[1]} [failed, peak, limit] per rank" if 1 in results
                   else "a rank ran out of memory")
@@ -211,6 +228,21 @@ def measure(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int) -> Pe
     finally:
         rng_state.restore(acc, rng)
     return None if rows is None else meter
+
+
+def _far_over(results: dict[int, list[list[float]]], sizes: list[int], n: int,
+              headroom: float) -> bool:
+    """Whether size n is predicted, on some rank, at twice its budget or more: the peak is
+    affine in the rows, fitted through the two smallest sizes' peaks (gathered, so every rank
+    predicts the same and they skip the same probes)."""
+    if len(sizes) < 2 or sizes[0] not in results or sizes[1] not in results:
+        return False
+    a, b = sizes[0], sizes[1]
+    for low, high in zip(results[a], results[b], strict=True):
+        per_row = max(high[1] - low[1], 0.0) / (b - a)
+        if low[1] + (n - a) * per_row > 2 * low[2] * (1 - headroom):
+            return True
+    return False
 
 
 def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit: int,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.micro_batch_cache import CACHE_FILE
-from accumix.micro_batch_probe import measure
+from accumix.micro_batch_probe import _far_over, measure
 
 GLOBAL = 24  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
 
@@ -62,7 +63,12 @@ def test_cpu_memory_limit_chooses_the_largest_measured_fit(mode: str, tmp_path: 
     assert peaks[6] <= 0.9 * limit < peaks[8]
 
     acc, model, optimizer = _set_up(memory_limit=limit)
-    assert acc.find_micro_batch_size(step_of(model), _make, run_dir=tmp_path) == 6
+    asked: list[int] = []
+    assert acc.find_micro_batch_size(step_of(model), lambda n: asked.append(n) or _make(n),
+                                     run_dir=tmp_path) == 6
+    # make_batch(1) keys the cache; on CPU the two smallest sizes are probed first (their
+    # peaks predict the others), then bisection: 6 fits, 8 does not.
+    assert asked[:3] == [1, 1, 2] and {6, 8} <= set(asked) and max(asked) <= 12
     choice = acc.micro_batch_choice
     assert (choice.grad_accum_steps, choice.limit_bytes) == (4, limit)
     assert choice.peak_bytes <= 0.9 * limit
@@ -72,12 +78,24 @@ def test_cpu_memory_limit_chooses_the_largest_measured_fit(mode: str, tmp_path: 
     assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 1
 
 
+def test_cpu_never_runs_a_size_predicted_far_past_the_limit() -> None:
+    """Peaks 100 and 150 bytes at 1 and 2 rows: 50 a row; budget 900 (1000 less 10%)."""
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    results = {1: [[0.0, 100.0, 1000.0], [0.0, 100.0, 1000.0]],
+               2: [[0.0, 150.0, 1000.0], [0.0, 150.0, 1000.0]]}
+    assert not _far_over(results, sizes, 32, 0.1)  # 100 + 31 x 50 = 1650 < 2 x 900
+    assert _far_over(results, sizes, 64, 0.1)  # 3250
+    results[2][1][1] = 900.0  # one rank's rows are costlier: it decides for all
+    assert _far_over(results, sizes, 4, 0.1)  # 100 + 3 x 800 = 2500
+    assert not _far_over({1: results[1]}, sizes, 64, 0.1)  # nothing to predict from yet
+
+
 def test_measured_peak_is_the_real_peak_rss_growth() -> None:
     script = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 import torch
 from tests.unit.test_micro_batch_auto import _make, _set_up
-from accumix.micro_batch_probe import measure
+from accumix.micro_batch_probe import _far_over, measure
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
@@ -114,6 +132,12 @@ def test_bad_input_is_one_line_config_error() -> None:
     assert "\n" not in str(error.value)
     with pytest.raises(ax.ConfigError, match="headroom"):
         acc.find_micro_batch_size(lambda x: model(x).mean(), _make, headroom=1.5)
+    acc = ax.Accelerator(grad_accum_steps=2, global_batch_size=GLOBAL, micro_batch_size="auto",
+                         memory_limit=np.int64(2**30))  # a numpy number is a number
+    net = Wide()
+    model, _ = acc.setup(net, torch.optim.SGD(net.parameters()))
+    with pytest.raises(ax.ConfigError, match="grad_accum_steps=2 with micro_batch_size='auto'"):
+        acc.find_micro_batch_size(lambda x: model(x).mean(), _make)
 
 
 def test_recipe_auto_then_an_elastic_restart_on_two_ranks(tmp_path: Path) -> None:
