@@ -36,6 +36,7 @@ given the chosen size.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import numbers
@@ -50,7 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from accumix import rng_state
 from accumix.data import move_to_device
-from accumix.errors import ConfigError
+from accumix.errors import AccumixError, ConfigError
 from accumix.micro_batch_cache import cache_key, read_cache, write_cache
 from accumix.micro_batch_search import (
     DEFAULT_HEADROOM,
@@ -75,29 +76,42 @@ class _PeerFailed(Exception):
     """Another rank could not run this probe; this rank stops it at its checkpoint."""
 
 
+class _ProbeError(Exception):
+    """A rank's step raised something other than out-of-memory in a tolerant probe (every
+    rank raises it, after the same gathers)."""
+
+
+OOM, ERROR = 1.0, 2.0  # what a failed rank's flag says
+
+
 class _Agreement:
-    """The checkpoints of one probe (see the module's docstring): one gather each."""
+    """The checkpoints of one probe (see the module's docstring): one gather each. ``kind`` is
+    the highest failure flag seen (0: none, ``OOM``, ``ERROR``), the same on every rank."""
 
     def __init__(self, acc: Accelerator) -> None:
         self.acc = acc
         self.stopped = False
+        self.kind = 0.0
 
-    def gather(self, failed: bool = False, peak: int = 0, limit: int = 0) -> list[list[float]]:
-        row = torch.tensor([float(failed), float(peak), float(limit)], dtype=torch.float64,
+    def gather(self, flag: float = 0.0, peak: int = 0, limit: int = 0) -> list[list[float]]:
+        row = torch.tensor([flag, float(peak), float(limit)], dtype=torch.float64,
                            device=self.acc.device)
-        return [r.tolist() for r in self.acc.strategy.all_gather(row)]
+        rows = [r.tolist() for r in self.acc.strategy.all_gather(row)]
+        self.kind = max(row[0] for row in rows)
+        return rows
 
     def checkpoint(self) -> None:
         if self.stopped:  # hooks firing after the stop make no more gathers
             return
-        if any(row[0] for row in self.gather()):
+        self.gather()
+        if self.kind:
             self.stopped = True
             raise _PeerFailed
 
-    def fail(self) -> None:
+    def fail(self, kind: float) -> None:
         if not self.stopped:
             self.stopped = True
-            self.gather(failed=True)
+            self.gather(kind)
 
     def final(self, peak: int, limit: int) -> list[list[float]] | None:
         """The last gather: every rank's peak and limit, or None when one failed."""
@@ -105,7 +119,7 @@ class _Agreement:
             return None
         rows = self.gather(peak=peak, limit=limit)
         self.stopped = True
-        return None if any(row[0] for row in rows) else rows
+        return None if self.kind else rows
 
 
 def find_micro_batch_size(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
@@ -177,12 +191,12 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
     results: dict[int, list[list[float]]] = {}
     verdicts: dict[int, bool] = {}
 
-    def fits(n: int) -> bool:
+    def fits(n: int, tolerate: bool = False) -> bool:
         if n not in verdicts:
             if verdicts.get(sizes[0]) is False or _far_over(results, sizes, n, headroom):
                 verdicts[n] = False
             else:
-                rows = _probe(acc, step, make_batch, n, limit)
+                rows = _probe(acc, step, make_batch, n, limit, tolerate=tolerate)
                 if rows is not None:
                     results[n] = rows
                 verdicts[n] = rows is not None and all(
@@ -195,7 +209,8 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
             # smallest sizes first give each rank's bytes per row, and a size predicted far past
             # the limit is not run (``_far_over``).
             for n in sizes[:2]:
-                fits(n)
+                with contextlib.suppress(_ProbeError):  # e.g. BatchNorm refusing 1 row: no
+                    fits(n, tolerate=True)                # prediction, the search goes on
         best, _ = largest_fitting(sizes, fits)
     probes = len(results)
     if best is None:
@@ -246,28 +261,42 @@ def _far_over(results: dict[int, list[list[float]]], sizes: list[int], n: int,
 
 
 def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit: int,
-           meter: PeakMeter | None = None) -> list[list[float]] | None:
+           meter: PeakMeter | None = None, tolerate: bool = False) -> list[list[float]] | None:
     """One probe of size n on every rank: each rank's ``[0, peak, limit]``, or None when a rank
-    ran out of memory (then every rank returns None, having made the same collectives)."""
+    ran out of memory (then every rank returns None, having made the same collectives).
+
+    Raises:
+        _ProbeError: ``tolerate`` and a rank's step raised another error (on every rank).
+    """
     agreement = _Agreement(acc)
     meter = meter or PeakMeter(acc.device)
-    failed = False
+    failed = 0.0
     rows = None
+    error: Exception | None = None
     try:
         with _checkpoint_hooks(acc, agreement), meter.measure():
             _step_once(acc, step, make_batch(n), agreement)
         rows = agreement.final(meter.peak, limit)
     except torch.OutOfMemoryError:
-        failed = True
+        failed = OOM
     except _PeerFailed:
         pass
+    except Exception as exc:  # the user's error: every rank stops at the same gather first
+        failed, error = ERROR, None if tolerate else exc
     finally:
         for model in acc._models:
             acc.strategy.clear_gradients(model)
     if failed:  # outside the handler: its traceback (and the tensors it holds) is gone
         release_cached(acc.device)
-        agreement.fail()
+        agreement.fail(failed)
     release_cached(acc.device)
+    if agreement.kind == ERROR:
+        if tolerate:
+            raise _ProbeError
+        if error is not None:
+            raise error
+        raise AccumixError(f"micro_batch_size='auto': another rank's step raised while probing "
+                           f"{n} rows; its error is in its log")
     return rows
 
 
@@ -320,7 +349,7 @@ def _checkpoint_hooks(acc: Accelerator, agreement: _Agreement) -> Iterator[None]
 def _allocate_optimizer_states(acc: Accelerator) -> None:
     """Allocates what each stateless optimizer's first step would, without stepping it."""
     for wrapped in acc._optimizers:
-        optimizer = wrapped.optimizer
+        optimizer = acc.strategy.state_optimizer(wrapped.optimizer)
         if optimizer.state:
             continue
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]

@@ -1,7 +1,7 @@
 """2 ranks on gloo: ``micro_batch_size="auto"`` with an out-of-memory error injected on rank 1
 only (in its forward, mid-model; or in its backward): both ranks choose the largest divisor that
 rank 1 can run, nobody hangs, and the run equals the run given that size explicitly, bitwise
-(weights, BatchNorm buffers, dropout's RNG), under ddp and fsdp."""
+(weights, BatchNorm buffers, dropout's RNG), under ddp, zero1 and fsdp."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
     return chosen, steps, state
 
 
-CASES = {"ddp": ("forward",), "fsdp": ("forward", "backward")}
+CASES = {"ddp": ("forward",), "zero1": ("forward",), "fsdp": ("forward", "backward")}
 
 
 def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:

@@ -139,6 +139,11 @@ class Strategy:
         memory never leaves another inside a collective. Default: the set-up model itself."""
         return [model]
 
+    def state_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer that holds this rank's states, stepped without communicating (what
+        ``micro_batch_size="auto"`` copies to measure them): the stepped one itself here."""
+        return optimizer
+
     def clear_gradients(self, model: nn.Module) -> None:
         """Drops every gradient a backward without gradient communication left on ``model``
         (the probe's): afterwards the next backward starts from nothing."""
