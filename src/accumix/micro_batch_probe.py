@@ -8,10 +8,13 @@ precision, what a window's micro-step allocates at its worst:
   under the precision's autocast, and its backward (scaled as fp16 scales it) with gradient
   communication off, as off the boundary: the window holds these gradients (under FSDP the
   unsharded ones), and no collective of the backend runs in the backward;
-* the first optimizer step's allocations: an optimizer with no state yet is copied with
+* the first optimizer step's allocations: an optimizer with no state yet (the one holding
+  this rank's states, ``Strategy.state_optimizer``: ZeRO-1's local partition) is copied with
   ``lr=0`` over the same parameters and stepped once, so its states are allocated and measured
-  while the real optimizer stays untouched (one with state already, e.g. DeepSpeed's which
-  allocates it at setup, is part of the baseline).
+  while the real optimizer stays untouched (one with state already is part of the baseline).
+
+On CPU, which has no out-of-memory error before the kernel's OOM killer, the two smallest
+sizes are probed first and a size their peaks predict at twice its budget is not run.
 
 **Agreement without a hang.** The decision is the minimum over ranks: one ``all_gather`` of
 ``[failed, peak, limit]`` per probe. An out-of-memory error on one rank must not leave the
@@ -20,7 +23,8 @@ broadcasts buffers before its forward). So every place the backend may communica
 by a *checkpoint*, the same gather of ``[0, 0, 0]``: a forward pre-hook (run before the
 strategy's own) and a hook on the outputs' gradients (run before the strategy's pre-backward) of
 each unit that communicates (``Strategy.probe_units``), and one before the backward. A rank
-that fails stops and makes exactly one more gather, ``[1, 0, 0]``; the other ranks meet it at
+that fails stops and makes exactly one more gather, ``[1, 0, 0]`` (``[2, 0, 0]`` for an error
+other than out-of-memory, which is then raised on every rank); the other ranks meet it at
 their next checkpoint, see the flag and stop there too. Every rank so makes the same number of
 gathers, and no backend collective is ever started on one rank alone. (DeepSpeed ZeRO-2 reduces
 inside its backward's epilogue, out of reach of a checkpoint: an error *during* its backward on
@@ -46,12 +50,19 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from accumix import rng_state
 from accumix.data import move_to_device
 from accumix.errors import AccumixError, ConfigError
+from accumix.micro_batch_agreement import (
+    ERROR,
+    OOM,
+    Agreement,
+    PeerFailed,
+    ProbeError,
+    checkpoint_hooks,
+)
 from accumix.micro_batch_cache import cache_key, read_cache, write_cache
 from accumix.micro_batch_search import (
     DEFAULT_HEADROOM,
@@ -70,56 +81,6 @@ log = logging.getLogger("accumix")
 
 StepFn = Callable[[Any], Any]
 MakeBatch = Callable[[int], Any]
-
-
-class _PeerFailed(Exception):
-    """Another rank could not run this probe; this rank stops it at its checkpoint."""
-
-
-class _ProbeError(Exception):
-    """A rank's step raised something other than out-of-memory in a tolerant probe (every
-    rank raises it, after the same gathers)."""
-
-
-OOM, ERROR = 1.0, 2.0  # what a failed rank's flag says
-
-
-class _Agreement:
-    """The checkpoints of one probe (see the module's docstring): one gather each. ``kind`` is
-    the highest failure flag seen (0: none, ``OOM``, ``ERROR``), the same on every rank."""
-
-    def __init__(self, acc: Accelerator) -> None:
-        self.acc = acc
-        self.stopped = False
-        self.kind = 0.0
-
-    def gather(self, flag: float = 0.0, peak: int = 0, limit: int = 0) -> list[list[float]]:
-        row = torch.tensor([flag, float(peak), float(limit)], dtype=torch.float64,
-                           device=self.acc.device)
-        rows = [r.tolist() for r in self.acc.strategy.all_gather(row)]
-        self.kind = max(row[0] for row in rows)
-        return rows
-
-    def checkpoint(self) -> None:
-        if self.stopped:  # hooks firing after the stop make no more gathers
-            return
-        self.gather()
-        if self.kind:
-            self.stopped = True
-            raise _PeerFailed
-
-    def fail(self, kind: float) -> None:
-        if not self.stopped:
-            self.stopped = True
-            self.gather(kind)
-
-    def final(self, peak: int, limit: int) -> list[list[float]] | None:
-        """The last gather: every rank's peak and limit, or None when one failed."""
-        if self.stopped:
-            return None
-        rows = self.gather(peak=peak, limit=limit)
-        self.stopped = True
-        return None if self.kind else rows
 
 
 def find_micro_batch_size(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
@@ -209,7 +170,7 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
             # smallest sizes first give each rank's bytes per row, and a size predicted far past
             # the limit is not run (``_far_over``).
             for n in sizes[:2]:
-                with contextlib.suppress(_ProbeError):  # e.g. BatchNorm refusing 1 row: no
+                with contextlib.suppress(ProbeError):  # e.g. BatchNorm refusing 1 row: no
                     fits(n, tolerate=True)                # prediction, the search goes on
         best, _ = largest_fitting(sizes, fits)
     probes = len(results)
@@ -266,20 +227,20 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
     ran out of memory (then every rank returns None, having made the same collectives).
 
     Raises:
-        _ProbeError: ``tolerate`` and a rank's step raised another error (on every rank).
+        ProbeError: ``tolerate`` and a rank's step raised another error (on every rank).
     """
-    agreement = _Agreement(acc)
+    agreement = Agreement(acc)
     meter = meter or PeakMeter(acc.device)
     failed = 0.0
     rows = None
     error: Exception | None = None
     try:
-        with _checkpoint_hooks(acc, agreement), meter.measure():
+        with checkpoint_hooks(acc, agreement), meter.measure():
             _step_once(acc, step, make_batch(n), agreement)
         rows = agreement.final(meter.peak, limit)
     except torch.OutOfMemoryError:
         failed = OOM
-    except _PeerFailed:
+    except PeerFailed:
         pass
     except Exception as exc:  # the user's error: every rank stops at the same gather first
         failed, error = ERROR, None if tolerate else exc
@@ -292,7 +253,7 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
     release_cached(acc.device)
     if agreement.kind == ERROR:
         if tolerate:
-            raise _ProbeError
+            raise ProbeError
         if error is not None:
             raise error
         raise AccumixError(f"micro_batch_size='auto': another rank's step raised while probing "
@@ -300,7 +261,7 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
     return rows
 
 
-def _step_once(acc: Accelerator, step: StepFn, batch: Any, agreement: _Agreement) -> None:
+def _step_once(acc: Accelerator, step: StepFn, batch: Any, agreement: Agreement) -> None:
     """Forward, backward without gradient communication, and the optimizers' first states."""
     batch = move_to_device(batch, acc.device)
     with ExitStack() as no_sync:
@@ -317,33 +278,6 @@ def _step_once(acc: Accelerator, step: StepFn, batch: Any, agreement: _Agreement
             for model in acc._models:
                 acc.strategy.clear_gradients(model)
     _allocate_optimizer_states(acc)
-
-
-@contextmanager
-def _checkpoint_hooks(acc: Accelerator, agreement: _Agreement) -> Iterator[None]:
-    """A checkpoint before each communicating unit's forward and before its backward."""
-
-    def before_forward(_module: nn.Module, _args: Any) -> None:
-        agreement.checkpoint()
-
-    def after_forward(_module: nn.Module, _args: Any, output: Any) -> None:
-        tensors = [t for t in tree_leaves(output)
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        for tensor in tensors:
-            # Registered before the strategy's own hook (this forward hook is prepended), so
-            # it runs first when the gradient arrives.
-            tensor.register_hook(lambda grad: (agreement.checkpoint(), grad)[1])
-
-    handles = []
-    for model in acc._models:
-        for unit in acc.strategy.probe_units(model):
-            handles.append(unit.register_forward_pre_hook(before_forward, prepend=True))
-            handles.append(unit.register_forward_hook(after_forward, prepend=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _allocate_optimizer_states(acc: Accelerator) -> None:
