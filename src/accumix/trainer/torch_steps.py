@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from accumix.accelerator import Accelerator
 from accumix.data import AcceleratedDataLoader
 from accumix.errors import ConfigError
+from accumix.micro_batch_probe import batch_maker, needs_choice
 from accumix.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
 from accumix.trainer.metrics import (
@@ -71,7 +72,15 @@ class TorchSteps:
             self.scheduler = scheduler
         else:
             objects = [model, optimizer, train_loader] + ([scheduler] if scheduler else [])
-            prepared = acc.setup(*objects)
+            if needs_choice(acc):  # micro_batch_size="auto": chosen before the loader is set up
+                model, optimizer = acc.setup(model, optimizer)
+                step = step_fn or default_step
+                acc.find_micro_batch_size(lambda batch: step(model, batch),
+                                          batch_maker(train_loader))
+                rest = acc.setup(*objects[2:])
+                prepared = [model, optimizer, *(rest if isinstance(rest, tuple) else (rest,))]
+            else:
+                prepared = acc.setup(*objects)
             self.model, self.optimizer, self.train_loader = prepared[:3]
             self.scheduler = prepared[3] if scheduler else None
         if not isinstance(self.train_loader, AcceleratedDataLoader):
