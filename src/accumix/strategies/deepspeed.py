@@ -273,6 +273,15 @@ class DeepSpeedStrategy(Strategy):
         engine.backward(loss, scale_wrt_gas=False)
         self._stepped.discard(id(engine))
 
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        # The engine reduces (and fills the partitions its step reads) only in a backward at
+        # its accumulation boundary; stepping without one fails inside DeepSpeed (KeyError 0).
+        raise ConfigError(
+            "strategy='deepspeed' reduces gradients only in a backward on the window's last "
+            "micro-step, and this window's last backward ran on an earlier one; run a backward "
+            "on the last micro-step of every window (a zero loss works)"
+        )
+
     def local_grads(self, params: Any = None) -> list[torch.Tensor]:
         """The gradient partitions this rank's engine holds after the window's last backward."""
         return [g for engine in self._engines for g in partition_grads(engine.optimizer)]
