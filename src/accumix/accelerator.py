@@ -10,7 +10,8 @@ The step, as the user's loop drives it (each call a no-op where it has nothing t
                                     #   backward reached them since, step or skip
         scheduler.step()            # only if the optimizer really stepped
         optimizer.zero_grad()       # only once the window's gradients have been used
-                                    # (block exit at the boundary: update the loss scale)
+                                    # (the loss scale moves once per window, after its last
+                                    #   step, in the block or after it: ``window_end.py``)
 
 With several optimizers each keeps its own window (``boundary.py``): the backward calls that
 reached its parameters, their item counts, its finalize and its step.
@@ -31,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import boundary, checkpoint, fault
+from accumix import boundary, checkpoint, fault, window_end
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.batch_sizes import batch_geometry
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
@@ -77,7 +78,7 @@ class _MicroStep:
         acc = self.acc
         acc._in_micro_step = False
         if acc._window.is_boundary:
-            boundary.update_loss_scale(acc)
+            window_end.update_loss_scale(acc)
         acc._window.end()
 
 
@@ -378,7 +379,7 @@ class Accelerator:
         if self._preemption is not None and not self._loaders:
             self._preemption.at_batch()  # no set-up loader calls it between batches
         if not self._window.micro_step:  # a new window: the last one's end comes first
-            boundary.close_window(self)
+            window_end.close_window(self)
         self._in_micro_step = True
         self._window.begin()
 

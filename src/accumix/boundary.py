@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accumix import window_end
 from accumix.errors import AccumixError, ConfigError
 from accumix.strategies.base import params_of
 
@@ -326,62 +327,5 @@ def optimizer_step(acc: Accelerator, optimizer: AcceleratedOptimizer, closure: A
     if stepped:
         optimizer.stepped_window = index
     if not acc._in_micro_step:  # stepped after the window's block: maybe its last step
-        update_loss_scale(acc)
+        window_end.update_loss_scale(acc)
     return finalizing.first_loss if finalizing is not None else None
-
-
-# -- the window's end ------------------------------------------------------------------------
-def zero_grad(acc: Accelerator, optimizer: AcceleratedOptimizer, set_to_none: bool) -> None:
-    """``optimizer.zero_grad()``: clears, as torch does, unless the gradients hold micro-steps
-    of a window that its step has not used yet.
-
-    Off the boundary those are kept (the window is unfinished). On the boundary micro-step the
-    call is either the loop's top (the window's last backward and its step are still to come)
-    or the end of a window whose step the loop skipped; which one shows later: a backward, a
-    finalize or a step of the optimizer in this window means the former, and otherwise the
-    gradients are cleared when the window ends (``close_window``), so a skipped window never
-    leaks into the next. After the boundary's block the window is over: it clears at once.
-    """
-    state, window = optimizer.window_grads, acc._window
-    if state.keeps(window):
-        if not window.is_boundary:
-            return
-        if acc._in_micro_step and state.first_micro_step < window.micro_step:
-            state.zero_request = set_to_none
-            return
-    acc.strategy.zero_grad(optimizer.optimizer, set_to_none)
-    state.clear()
-    if not acc._in_micro_step and window.is_boundary:  # maybe what the scale update awaited
-        update_loss_scale(acc)
-
-
-def update_loss_scale(acc: Accelerator, *, window_over: bool = False) -> None:
-    """Moves the loss scale once per window, after all of its steps: every backward and every
-    finalize of a window use one scale, however many optimizers step, in whichever order,
-    inside the ``with acc.accumulate():`` block or after it (GradScaler's ``update()`` after
-    every ``step``). The overflow flags are those of every finalize of the window, as
-    GradScaler's update reads every unscale, stepped or not.
-
-    Args:
-        window_over: the next window begins (or a checkpoint is written): update even if an
-            optimizer that a backward reached was neither stepped nor zeroed.
-    """
-    record = acc._step
-    if record.found_inf is None:
-        return
-    index = acc._window.index
-    if not window_over and any(o.window_grads.awaits_step(index) for o in acc._optimizers):
-        return
-    found_inf, record.found_inf = record.found_inf, None
-    acc.strategy.scaler.update(bool(found_inf.item()))
-
-
-def close_window(acc: Accelerator) -> None:
-    """Ends the window that ended last, before the next one begins (and before a checkpoint):
-    its loss-scale update, and the zero_grad calls left to its end (``zero_grad``)."""
-    update_loss_scale(acc, window_over=True)
-    for opt in acc._optimizers:
-        state = opt.window_grads
-        if state.zero_request is not None:
-            acc.strategy.zero_grad(opt.optimizer, state.zero_request)
-            state.clear()

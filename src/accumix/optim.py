@@ -6,7 +6,8 @@ on every micro-step; these wrappers let only the meaningful calls through:
 * ``step()`` runs the Accelerator's boundary step (unscale, agree, step or skip) at a boundary
   and does nothing elsewhere;
 * ``zero_grad()`` does nothing while this optimizer's gradients hold an unfinished window, so it
-  may be called at the top of the loop or after the step alike;
+  may be called at the top of the loop or after the step alike (a window whose step the loop
+  skipped is cleared by the window's end);
 * the scheduler advances once per real optimizer step: never on a skipped fp16 step, never K or
   world-size times per step (accelerate #963, #1382).
 """
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix import boundary
+from accumix import window_end
 from accumix.boundary import WindowGrads
 
 if TYPE_CHECKING:
@@ -69,8 +70,8 @@ class AcceleratedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients, unless they hold a window that has not been stepped yet; on the
         boundary micro-step, a window the loop did not step is cleared by its end at the
-        latest (``boundary.zero_grad``)."""
-        boundary.zero_grad(self._accelerator, self, set_to_none)
+        latest (``window_end.zero_grad``)."""
+        window_end.zero_grad(self._accelerator, self, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
