@@ -71,7 +71,7 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
     Collective. See ``Accelerator.save_state``.
     """
     _check_between_windows(acc, "save_state")
-    window_end.close_window(acc)  # the saved scale is the one the next window uses
+    window_end.close_window(acc, window_over=False)  # the scale the next window uses
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")

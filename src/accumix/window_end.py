@@ -53,8 +53,8 @@ def update_loss_scale(acc: Accelerator, *, window_over: bool = False) -> None:
     GradScaler's update reads every unscale, stepped or not.
 
     Args:
-        window_over: the next window begins (or a checkpoint is written): update even if an
-            optimizer that a backward reached was neither stepped nor zeroed.
+        window_over: the next window begins (or a checkpoint is loaded over this state):
+            update even if an optimizer that a backward reached was neither stepped nor zeroed.
     """
     record = acc._step
     if record.found_inf is None:
@@ -66,10 +66,15 @@ def update_loss_scale(acc: Accelerator, *, window_over: bool = False) -> None:
     acc.strategy.scaler.update(bool(found_inf.item()))
 
 
-def close_window(acc: Accelerator) -> None:
-    """Ends the window that ended last, before the next one begins (and before a checkpoint):
-    its loss-scale update, and the zero_grad calls left to its end (``zero_grad``)."""
-    update_loss_scale(acc, window_over=True)
+def close_window(acc: Accelerator, *, window_over: bool = True) -> None:
+    """Ends the window that ended last, before the next one begins: its loss-scale update, and
+    the zero_grad calls left to its end (``zero_grad``).
+
+    Args:
+        window_over: False before a checkpoint is written: a step may still follow the save,
+            so the scale moves only if no optimizer awaits one (saving never changes training).
+    """
+    update_loss_scale(acc, window_over=window_over)
     for opt in acc._optimizers:
         state = opt.window_grads
         if state.zero_request is not None:
