@@ -240,11 +240,12 @@ def skip_reference(data: list[Any]) -> tuple[int, list[torch.Tensor]]:
     return steps, _params(model)
 
 
-def skip_accumix(data: list[Any], check: str) -> tuple[int, list[torch.Tensor]]:
+def skip_accumix(data: list[Any], check: str, strategy: Any = "auto"
+                 ) -> tuple[int, list[torch.Tensor]]:
     """The loop with accumix, zero_grad() inside the block after the (maybe skipped) step;
     ``check``: "norm" (``acc.clip_grad_norm_``'s result) or "loss" (the window's losses, no
     accumix call between backward and the decision)."""
-    acc = ax.Accelerator(precision="fp32", grad_accum_steps=SKIP_STEPS)
+    acc = ax.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=SKIP_STEPS)
     model = _net()
     model, opt = acc.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
     steps, finite = 0, True

@@ -292,6 +292,11 @@ def _step_forms() -> dict[str, Any]:
         out[f"after_block/{items}"] = (
             max_diff(wj.after_block_reference(data, items), params), steps)
     out["refused"] = wj.skipped_boundary_backward(ax.DeepSpeedStrategy(stage=2))
+    try:  # item 4: a window the loop does not step cannot be discarded (the engine kept it)
+        wj.skip_accumix(wj.skip_data(), "loss", strategy=ax.DeepSpeedStrategy(stage=2))
+        out["skip_refused"] = "no error"
+    except ax.ConfigError as exc:
+        out["skip_refused"] = str(exc)
     return out
 
 
@@ -318,6 +323,8 @@ def test_deepspeed_two_ranks(tmp_path: Path) -> None:
             assert diff < TOL and steps == 3, (rank, items, forms)
         assert forms["refused"].startswith("strategy='deepspeed' reduces gradients only in a "
                                            "backward on the window's last micro-step"), forms
+        assert forms["skip_refused"].startswith("strategy='deepspeed' clears gradients only "
+                                                "inside optimizer.step()"), forms
         eq = r["equivalence"]
         for stage in STAGES:
             s = eq[stage]
