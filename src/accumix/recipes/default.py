@@ -135,6 +135,10 @@ class TrainConfig:
         grad_clip: the max gradient norm (None: no clipping).
         progress_bar: show the progress bar.
         plot: write ``metrics.png`` at the end.
+        loggers: metric loggers: ``csv``, ``jsonl``, ``tensorboard``, ``mlflow``, ``wandb``,
+            ``clearml`` (null: csv, jsonl and tensorboard when installed).
+        log_model: trackers upload the final ``model.safetensors``.
+        system_metrics_every: every rank's system metrics every N steps (null: off).
         model: the GPT's shape.
         data: the text.
         optimizer: AdamW and the LR schedule.
@@ -160,6 +164,9 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     progress_bar: bool = True
     plot: bool = True
+    loggers: tuple[str, ...] | None = None
+    log_model: bool = False
+    system_metrics_every: int | None = 10
     model: GPTConfig = field(default_factory=lambda: GPTConfig(
         block_size=128, n_layer=4, n_head=4, n_embd=256))
     data: DataConfig = field(default_factory=DataConfig)
@@ -183,7 +190,7 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r} is invalid; use one of "
                               f"{', '.join(PRECISION_WORDS)}")
         for name in ("nproc", "global_batch_size", "micro_batch_size", "max_steps",
-                     "max_epochs", "eval_every", "checkpoint_every"):
+                     "max_epochs", "eval_every", "checkpoint_every", "system_metrics_every"):
             value = getattr(self, name)
             if isinstance(value, int) and value < 1:
                 raise ConfigError(f"{name}={value} is invalid; use an integer >= 1")
@@ -191,6 +198,12 @@ class TrainConfig:
             raise ConfigError("max_steps and max_epochs are both null; give one of them")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"grad_clip={self.grad_clip} is invalid; use a number > 0 or null")
+        from accumix.trainer.loggers import LOGGER_WORDS
+
+        unknown = [w for w in self.loggers or () if w not in LOGGER_WORDS]
+        if unknown:
+            raise ConfigError(f"loggers: unknown logger {unknown[0]!r}; use "
+                              f"{', '.join(LOGGER_WORDS)}")
         if not 0 < self.data.val_fraction < 1:
             raise ConfigError(f"data.val_fraction={self.data.val_fraction} is invalid; use a "
                               "number in (0, 1)")
@@ -265,6 +278,7 @@ def run(config: TrainConfig) -> int:
         ConfigError: settings that cannot work here (batch sizes that do not divide, ...).
     """
     import accumix as ax
+    from accumix.recipes.tracking import SaveModelAtEnd, tracking_options
     from accumix.trainer import ThroughputMonitor, Trainer, scale_lr, warmup_schedule
 
     started = time.perf_counter()
@@ -296,7 +310,9 @@ def run(config: TrainConfig) -> int:
         max_epochs=config.max_epochs, eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every, run_dir=config.run_dir, resume=config.resume,
         grad_clip=config.grad_clip, progress_bar=config.progress_bar,
-        callbacks=[ThroughputMonitor(flops_per_item=model.flops_per_token())],
+        callbacks=[ThroughputMonitor(flops_per_item=model.flops_per_token()),
+                   SaveModelAtEnd(lambda: acc.save_model(config.run_dir))],
+        **tracking_options(config),
     )
     acc.print(
         f"accumix train: {model.num_parameters() / 1e6:.1f}M-parameter GPT on "
@@ -306,9 +322,8 @@ def run(config: TrainConfig) -> int:
         f"{acc.policy.name}, global batch {config.global_batch_size} = micro batch "
         f"{config.micro_batch_size} x {acc.world_size} rank(s) x K={acc.grad_accum_steps}; "
         f"run directory {config.run_dir}", flush=True)
-    result = trainer.fit()
+    result = trainer.fit()  # SaveModelAtEnd wrote the weights both backends load (init_from=)
     unwrapped = acc.unwrap(trainer.model)
-    acc.save_model(config.run_dir)  # the weights both backends load: init_from=<this file>
     report(acc, config, result, num_val=len(val), started=started)
     if config.sample.max_new_tokens > 0:
         # Every rank generates the same text: a sharded model's forward is collective.

@@ -30,7 +30,12 @@ from accumix.data import AcceleratedDataLoader
 from accumix.errors import ConfigError
 from accumix.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
-from accumix.trainer.metrics import WindowMeter, batch_samples, split_loss
+from accumix.trainer.metrics import (
+    WindowMeter,
+    batch_samples,
+    split_loss,
+    torch_system_sampler,
+)
 
 if TYPE_CHECKING:
     from accumix.trainer.trainer import Trainer
@@ -53,6 +58,8 @@ class TorchSteps:
 
     Args: as ``Trainer``'s of the same names.
     """
+
+    backend = "torch"
 
     def __init__(self, *, model: nn.Module, optimizer: Optimizer,
                  train_loader: DataLoader | AcceleratedDataLoader,
@@ -94,12 +101,17 @@ class TorchSteps:
     def grad_accum_steps(self) -> int:
         return self.accelerator.grad_accum_steps
 
+    @property
+    def micro_batch_size(self) -> int | None:
+        return self.train_loader.batch_size
+
     # -- the epoch ------------------------------------------------------------------------------
     def run_epoch(self, trainer: Trainer) -> bool:
         """One pass over the loader, calling ``trainer.end_window`` at every boundary; returns
         early when the trainer is done after a window. Returns whether any batch came."""
         if self._meter is None:
-            self._meter = WindowMeter(self.accelerator)
+            self._meter = WindowMeter(self.accelerator, torch_system_sampler(
+                self.accelerator.device, trainer.system_metrics_every))
         got_batch = False
         for batch in self.train_loader:
             got_batch = True
