@@ -92,6 +92,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
     if (args.backend or config.backend) == "jax":
         return _run_jax(args, config, world, precision)
+    micro = config.micro_batch_size
+    if micro == "auto" and args.params is None:
+        micro = _probe_recipe(config)  # the choice accumix train makes here, without training
     model_or_count: torch.nn.Module | int
     if args.params is not None:
         model_or_count = _parse_count(args.params)
@@ -104,12 +107,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         rough = 12 * shape.n_layer * shape.n_embd**2
         with torch.device("meta" if rough > 200_000_000 else "cpu"):
             model_or_count = GPT(config.model)
-        activations = activation_bytes(seq=shape.block_size, micro_batch=config.micro_batch_size,
+        assert isinstance(micro, int)
+        activations = activation_bytes(seq=shape.block_size, micro_batch=micro,
                                        width=shape.n_embd, heads=shape.n_head,
                                        layers=shape.n_layer, precision=precision)
         count = sum(p.numel() for p in model_or_count.parameters())
         label = (f"the recipe's GPT ({count:,} parameters, micro batch "
-                 f"{config.micro_batch_size} x {shape.block_size} tokens)")
+                 f"{micro} x {shape.block_size} tokens)")
     device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
                     else device_free_bytes(device, local_world_size=world))
     estimates = estimate_memory(model_or_count, world_size=world, precision=precision,
@@ -149,9 +153,10 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
         params = gpt_jax.init_params(shape)
         optimizer, _ = optimizer_and_schedule(config, params, 1, 1)
         label = f"the recipe's GPT ({gpt_jax.num_parameters(shape):,} parameters)"
-    if args.params is None:
+    if args.params is None and isinstance(config.micro_batch_size, int):
         # The activation estimate of the torch table per device; the compiled step's own
         # figure is memory_analysis() of acc.train_step(...).lower(state, window).compile().
+        # (micro_batch_size=auto: not counted, the JAX recipe has no probe here.)
         activations = activation_bytes(seq=shape.block_size, micro_batch=config.micro_batch_size,
                                        width=shape.n_embd, heads=shape.n_head,
                                        layers=shape.n_layer, precision=precision)
@@ -169,3 +174,25 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
     print(format_jax_table(estimates, device_bytes=device_bytes))
     print(f"auto: {reason}")
     return 0
+
+
+def _probe_recipe(config: object) -> int:
+    """``micro_batch_size=auto``: probes the recipe's model on this process's device as the
+    training run does (one process here; collective under ``accumix launch``), logging the same
+    line, and writes nothing to the run directory."""
+    import accumix as ax
+    from accumix.recipes import default
+    from accumix.recipes.gpt import GPT
+
+    assert isinstance(config, default.TrainConfig)
+    acc = ax.Accelerator(strategy=config.strategy, precision=config.precision,
+                         global_batch_size=config.global_batch_size, micro_batch_size="auto",
+                         memory_limit=config.memory_limit, seed=config.seed)
+    model = GPT(config.model)
+    _, _, micro = default.choose_micro_batch(acc, config, model,
+                                             default.new_optimizer(config, model), cache=False)
+    choice = acc.micro_batch_choice
+    assert choice is not None
+    print(choice.describe())  # the command's output (the log line goes to stderr)
+    acc.end()
+    return micro
