@@ -104,6 +104,10 @@ def test_loss_result_type_and_the_refused_ambiguous_tuple() -> None:
     assert w.max_diff(state.params, plain_train(windows, item_grads)) < 1e-6
     assert float(metrics[0]["aux"]["n"]) == pytest.approx(
         float(w.concat(windows[0])["mask"].sum()) / (K * 2))
+    # A jitted or rematerialised loss_fn is read through: its count is still a count.
+    for wrapped in (jax.jit(w.item_loss), jax.checkpoint(w.item_loss)):
+        _, state, _ = run("ddp", windows, wrapped)
+        assert w.max_diff(state.params, plain_train(windows, item_grads)) < 1e-6
     # (loss_sum, count of shape (1,)): was read as (mean, aux) and trained on the sum.
     shaped = lambda p, b, r: (w.item_loss(p, b, r)[0], b["mask"].sum()[None])  # noqa: E731
     with pytest.raises(ax.ConfigError, match=r"shape \(1,\).*axj.Loss") as info:

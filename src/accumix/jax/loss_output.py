@@ -136,12 +136,31 @@ def _first_leaf_indices(out: Any) -> list[int]:
 
 
 def _depends_on_params(jaxpr: Any, num_params: int) -> list[bool]:
-    """For each output of ``jaxpr``: whether any of its first ``num_params`` inputs reaches it.
+    """For each output of ``jaxpr``: whether any of its first ``num_params`` inputs reaches it."""
+    return _reach(jaxpr, [i < num_params for i in range(len(jaxpr.invars))])
 
-    Conservative: an equation's outputs all depend on any of its inputs (nested jaxprs too).
-    """
-    reached = {id(v) for v in jaxpr.invars[:num_params]}
+
+def _reach(jaxpr: Any, inputs: list[bool]) -> list[bool]:
+    """Which outputs the marked inputs reach. A call of a jitted or rematerialised function is
+    followed inside (a jitted loss_fn is one such call holding both loss and count); any
+    other equation is conservative: all its outputs depend on any of its inputs."""
+    reached = {id(v) for v, marked in zip(jaxpr.invars, inputs, strict=True) if marked}
     for eqn in jaxpr.eqns:
-        if any(id(v) in reached for v in eqn.invars if not hasattr(v, "val")):
-            reached.update(id(v) for v in eqn.outvars)
+        ins = [not hasattr(v, "val") and id(v) in reached for v in eqn.invars]
+        if not any(ins):
+            continue
+        inner = _called_jaxpr(eqn)
+        outs = _reach(inner, ins) if inner is not None else [True] * len(eqn.outvars)
+        reached.update(id(v) for v, hit in zip(eqn.outvars, outs, strict=True) if hit)
     return [not hasattr(v, "val") and id(v) in reached for v in jaxpr.outvars]
+
+
+def _called_jaxpr(eqn: Any) -> Any:
+    """The jaxpr that ``eqn`` calls with its own inputs and outputs (pjit, remat, custom_jvp),
+    or None."""
+    for value in eqn.params.values():
+        inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr holds its Jaxpr
+        if (hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars)
+                and len(inner.outvars) == len(eqn.outvars)):
+            return inner
+    return None

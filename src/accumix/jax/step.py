@@ -1,13 +1,15 @@
 """The window step: K micro-steps, one gradient reduction, one optimizer update, one jit.
 
     params_c = cast(params)                      # once per window, outside the scan
-    shard_map over the "data" axis (each device its rows):
+    shard_map over the "data" axis (each device its rows and its column of the mask):
         full = gather(params_c)                  # fsdp only
         scan over the K micro-batches:           # masked ones (a short window) cost a cond
-            g_i = grad(scale * loss_i)           # item mode in fp16: scale * loss_sum_i / n_i
-            acc += float32(g_i)                  #   (then x n_i: fp16 range, exact sum)
+            g_i = grad(scale * loss_i)           # float leaves only; integer leaves, keys carried
+            acc += float32(g_i)                  # (complex64 for complex params); item mode in
+                                                 #   fp16: scale * loss_sum_i / n_i, then x n_i
         grads = psum | psum_scatter(acc)         # ONE reduction per window, after the scan
-    grads /= scale * (N items | k micro-steps x D devices)   # one division, at the end
+    grads /= scale * (N items | valid micro-steps over devices)   # one division, at the end
+                                                 # (no items: zero gradients, not 0/0)
     found_inf = not all(isfinite(grads))         # global: every device decides alike
     norm = global_norm(grads); clip               # torch's clip_grad_norm_ coefficient
     params, opt_state = found_inf ? kept : optax update    # bit-identical when skipped
