@@ -51,6 +51,7 @@ from accumix.micro_batch_search import (
 from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
 from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
+from accumix.precision.loss_scale import check_loss_scale_use
 from accumix.strategies import Strategy, resolve_strategy
 from accumix.strategies.base import params_of
 from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
@@ -140,18 +141,11 @@ class Accelerator:
         self.device = pick_device(self.launch)
         init_process_group(self.launch, self.device, timeout)
         self.policy = resolve_policy(precision, self.device)
-        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
-            raise ConfigError(
-                f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None"
-            )
+        check_loss_scale_use(loss_scale, precision=precision, chosen=self.policy.name,
+                             scales=self.policy.needs_loss_scaling)
+        scaler: DynamicLossScale | NoLossScale = NoLossScale()
         if self.policy.needs_loss_scaling:
-            scaler: DynamicLossScale | NoLossScale = loss_scale or DynamicLossScale()
-        elif loss_scale is not None and precision != "auto":
-            raise ConfigError(
-                f"loss_scale is only used by precision='fp16-mixed', not {self.policy.name!r}"
-            )
-        else:
-            scaler = NoLossScale()
+            scaler = loss_scale or DynamicLossScale()
         self.strategy = resolve_strategy(strategy, self.launch)
         # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
         self._auto_strategy = strategy == "auto" and self.launch.world_size > 1

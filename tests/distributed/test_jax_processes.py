@@ -49,6 +49,14 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
         assert r["ddp"] < 1e-6 and r["fsdp"] < 1e-6, r
     meta = json.loads((tmp_path / "run" / "step-2" / "meta.json").read_text())
     assert (meta["num_processes"], meta["num_devices"], meta["strategy"]) == (2, 4, "fsdp")
+    # Windows of 2 and 1 micro-batches on the two processes (mean mode): the large batch of
+    # all 3, the same params on both (before: 0.073 apart); strategy='single' refused.
+    assert all(r["uneven_mean"] < 1e-6 for r in trained), [r["uneven_mean"] for r in trained]
+    assert trained[0]["uneven_params"] == trained[1]["uneven_params"]
+    assert [r["uneven_items"] for r in trained] == [3 * 4, 3 * 4]
+    assert [r["single"] for r in trained] == [
+        "strategy='single' cannot run in a world of 2 processes; use 'ddp' (or 'auto'), or "
+        "launch one process"] * 2
 
     # The same job's DataLoader run: each process's loader takes its shard; the global windows
     # equal the two shards side by side (short last window included).

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from accumix.batch_sizes import derive_grad_accum_steps
 from accumix.errors import ConfigError
-from accumix.jax import checkpoint, distributed
+from accumix.jax import checkpoint, distributed, trainable
 from accumix.jax.data import Window, WindowLoader, canonical, make_window
 from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.precision import resolve_jax_policy
@@ -35,7 +35,7 @@ from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
 from accumix.jax.strategies import AXIS, JaxStrategy, choose_auto, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
-from accumix.precision.loss_scale import DynamicLossScale
+from accumix.precision.loss_scale import DynamicLossScale, check_loss_scale_use
 
 log = logging.getLogger("accumix")
 
@@ -77,12 +77,8 @@ class Accelerator:
         self._strategy_word = strategy
         self._strategy = resolve_jax_strategy(strategy)
         self.policy = resolve_jax_policy(precision, jax.devices()[0].platform)
-        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
-            raise ConfigError(
-                f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None")
-        if loss_scale is not None and not self.policy.needs_loss_scaling and precision != "auto":
-            raise ConfigError(
-                f"loss_scale is only used by precision='fp16-mixed', not {self.policy.name!r}")
+        check_loss_scale_use(loss_scale, precision=precision, chosen=self.policy.name,
+                             scales=self.policy.needs_loss_scaling)
         self.scaler = LossScaleRule(
             (loss_scale or DynamicLossScale()) if self.policy.needs_loss_scaling else None)
         self._batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
@@ -198,12 +194,14 @@ class Accelerator:
             self._strategy = choose_auto(num, precision=self.policy.name)
         self._optimizer = optimizer
         strategy = self.strategy
-        params = self.policy.cast_to_param(jax.tree.map(np.asarray, params))
+        params = self.policy.cast_to_param(jax.tree.map(_host_value, params))
         param_sh = jax.tree.map(lambda x: strategy.sharding(strategy.param_spec(x)), params)
         params = jax.tree.map(_global_array, params, param_sh)
-        opt_shape = jax.eval_shape(optimizer.init, params)
+        # The optimizer sees the trainable leaves only (integer leaves and keys are carried).
+        init = lambda p: optimizer.init(trainable.select(p, p))  # noqa: E731
+        opt_shape = jax.eval_shape(init, params)
         opt_sh = jax.tree.map(lambda x: strategy.sharding(strategy.opt_spec(x)), opt_shape)
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+        opt_state = jax.jit(init, out_shardings=opt_sh)(params)
         replicated = strategy.sharding(P())
         scaler, seed = self.scaler, self.seed
         loss_scale, step, rng = jax.jit(
@@ -366,6 +364,19 @@ class EvalStep:
         return self.jitted(state, arrays, weights)
 
 
-def _global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def _host_value(leaf: Any) -> Any:
+    """A params leaf on the host (numpy); a PRNG key stays a key (numpy cannot hold one)."""
+    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+        return leaf
+    return np.asarray(leaf)
+
+
+def _global_array(value: Any, sharding: NamedSharding) -> jax.Array:
     """A global array from a value every process holds whole (each takes its shards)."""
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # as raw bits, rewrapped
+        impl = jax.random.key_impl(value)
+        bits = np.asarray(jax.random.key_data(value))
+        data = jax.make_array_from_callback(bits.shape, NamedSharding(
+            sharding.mesh, P(*sharding.spec, None)), lambda index: bits[index])
+        return jax.random.wrap_key_data(data, impl=impl)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
