@@ -79,6 +79,8 @@ from accumix.strategies.deepspeed_engine import (
     partition_grads,
     skip_cpu_shm_build,
 )
+from accumix.strategies.memory_format import make_parameters_contiguous_
+from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
 
 
 # -- the loss scale --------------------------------------------------------------------------
@@ -205,6 +207,9 @@ class DeepSpeedStrategy(Strategy):
         trained = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
         groups = deepspeed_state.group_fqns(model, optimizers[0])
         model = autocast_forward(model.to(self.device), self.policy, self.device)
+        make_parameters_contiguous_(model)  # channels_last: DeepSpeed flattens parameters
+        if self.policy.half_dtype is not None:
+            float32_norm_forward(model)  # the engine stores them in half, beside fp32 buffers
         try:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers[0],
                                               config=config)
@@ -216,6 +221,7 @@ class DeepSpeedStrategy(Strategy):
                 ) from exc
             raise
         engine.set_gradient_accumulation_boundary(True)
+        agree_buffers_after_forward(engine, engine.module, self.broadcast)
         self._scale_updates[id(engine)] = defer_scale_update(engine.optimizer)
         self._engines.append(engine)
         self._engine_of[id(optimizers[0])] = engine
