@@ -81,6 +81,7 @@ from accumix.strategies.deepspeed_engine import (
 )
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
+from accumix.strategies.optimizer_exactness import check_deepspeed
 
 
 # -- the loss scale --------------------------------------------------------------------------
@@ -200,6 +201,11 @@ class DeepSpeedStrategy(Strategy):
             micro_batch_size=self.micro_batch_size, dp_world_size=self.dp_world_size,
             policy=self.policy, loss_scale=self._fp16, user_config=self.user_config,
         )
+        # accumix vouches for the element-wise optimizers DeepSpeed has not listed (SGD, ...);
+        # any other runs only where the user's config accepts it.
+        check_deepspeed(optimizers[0], self.user_config.get("zero_allow_untested_optimizer")
+                        is True)
+        config.setdefault("zero_allow_untested_optimizer", True)
         self._ensure_process_group()
         skip_cpu_shm_build()
         # Read before the engine takes the optimizer over (ZeRO-3 re-points its groups at flat

@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from accumix.errors import ConfigError
 from accumix.strategies.ddp import DDPStrategy
+from accumix.strategies.optimizer_exactness import check_zero1
 
 
 class ZeRO1Strategy(DDPStrategy):
@@ -71,6 +72,7 @@ class ZeRO1Strategy(DDPStrategy):
         if optimizer.state:
             raise ConfigError(f"{type(optimizer).__name__} already holds state; set it up with "
                               "its model before its first step")
+        check_zero1(optimizer)
         optimizer_class = type(optimizer)
         zero = _SharedGroupsZeRO(
             optimizer.param_groups,
