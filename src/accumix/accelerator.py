@@ -39,19 +39,13 @@ from accumix.data import AcceleratedDataLoader
 from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
 from accumix.errors import AccumixError, ConfigError
 from accumix.logging_setup import configure_logging
-from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
+from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.strategies import Strategy, resolve_strategy
 from accumix.strategies.base import params_of
 from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
 
 log = logging.getLogger("accumix")
-
-_SCHEDULER_TYPES: tuple[type, ...] = (
-    torch.optim.lr_scheduler.LRScheduler,
-    torch.optim.lr_scheduler.ReduceLROnPlateau,
-)
-
 
 class _MicroStep:
     """The context of ``acc.accumulate()``; a class rather than a generator for speed."""
@@ -232,7 +226,7 @@ class Accelerator:
         for obj in objects:
             if id(obj) in self._set_up:
                 raise ConfigError(f"{type(obj).__name__} was already set up; set it up once")
-            if not isinstance(obj, (nn.Module, Optimizer, DataLoader, *_SCHEDULER_TYPES)):
+            if not (isinstance(obj, (nn.Module, Optimizer, DataLoader)) or is_scheduler(obj)):
                 raise ConfigError(
                     f"cannot set up a {type(obj).__name__}; pass nn.Module, torch.optim "
                     "optimizers, LR schedulers and DataLoaders"
@@ -270,7 +264,7 @@ class Accelerator:
                     )
                 result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt))
         for obj in objects:
-            if isinstance(obj, _SCHEDULER_TYPES):
+            if is_scheduler(obj):
                 result[id(obj)] = self._wrap_scheduler(obj)
         self._set_up.update(id(o) for o in objects)
         out = tuple(result[id(o)] for o in objects)
