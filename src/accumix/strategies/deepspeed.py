@@ -227,7 +227,8 @@ class DeepSpeedStrategy(Strategy):
                 ) from exc
             raise
         engine.set_gradient_accumulation_boundary(True)
-        agree_buffers_after_forward(engine, engine.module, self.broadcast)
+        if self._distributed:
+            agree_buffers_after_forward(engine, engine.module, self.broadcast)
         self._scale_updates[id(engine)] = defer_scale_update(engine.optimizer)
         self._engines.append(engine)
         self._engine_of[id(optimizers[0])] = engine
