@@ -33,6 +33,7 @@ class ZeRO1Strategy(DDPStrategy):
         static_graph: DDP's flag, for graphs that do not change between iterations.
         bucket_cap_mb: DDP's bucket size; None keeps torch's default.
         gradient_as_bucket_view: DDP's flag: gradients alias the buckets (saves a copy).
+        sync_batchnorm: DDP's option (``torch.nn.SyncBatchNorm``, CUDA only).
     """
 
     name = "zero1"
@@ -45,12 +46,14 @@ class ZeRO1Strategy(DDPStrategy):
         static_graph: bool = False,
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            sync_batchnorm=sync_batchnorm,
         )
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._sources: dict[int, Optimizer] = {}  # id(ZeRO optimizer) -> the user's optimizer
