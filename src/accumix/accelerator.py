@@ -48,7 +48,7 @@ from accumix.micro_batch_search import (
     is_auto,
     parse_memory_limit,
 )
-from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
+from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.precision.loss_scale import check_loss_scale_use
@@ -57,12 +57,6 @@ from accumix.strategies.base import params_of
 from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
 
 log = logging.getLogger("accumix")
-
-_SCHEDULER_TYPES: tuple[type, ...] = (
-    torch.optim.lr_scheduler.LRScheduler,
-    torch.optim.lr_scheduler.ReduceLROnPlateau,
-)
-
 
 class _MicroStep:
     """The context of ``acc.accumulate()``; a class rather than a generator for speed."""
@@ -245,7 +239,7 @@ class Accelerator:
         for obj in objects:
             if id(obj) in self._set_up:
                 raise ConfigError(f"{type(obj).__name__} was already set up; set it up once")
-            if not isinstance(obj, (nn.Module, Optimizer, DataLoader, *_SCHEDULER_TYPES)):
+            if not (isinstance(obj, (nn.Module, Optimizer, DataLoader)) or is_scheduler(obj)):
                 raise ConfigError(
                     f"cannot set up a {type(obj).__name__}; pass nn.Module, torch.optim "
                     "optimizers, LR schedulers and DataLoaders"
@@ -286,7 +280,7 @@ class Accelerator:
                 result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt),
                                                        owner)
         for obj in objects:
-            if isinstance(obj, _SCHEDULER_TYPES):
+            if is_scheduler(obj):
                 result[id(obj)] = self._wrap_scheduler(obj)
         self._set_up.update(id(o) for o in objects)
         out = tuple(result[id(o)] for o in objects)

@@ -23,6 +23,7 @@ from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
 from accumix.precision import LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.strategies.norm_layers import broadcast_buffers_
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -218,6 +219,11 @@ class Strategy:
         """
         from accumix.dcp_state import save_sharded  # DCP's import costs ~1 s: only when used
 
+        if self._distributed:
+            # DCP writes a replicated buffer from whichever rank its de-duplication picks;
+            # the buffers that count are rank 0's (DDP broadcasts them at each forward).
+            for model in models:
+                broadcast_buffers_(self.unwrap(model), self.broadcast)
         save_sharded(directory, models, optimizers)
 
     def load_checkpoint(
