@@ -133,6 +133,16 @@ class Strategy:
         """Backward of an already multiplied (scaled, divided) loss."""
         loss.backward()
 
+    def piece_sync(self, model: nn.Module | None, *, boundary: bool, last: bool
+                   ) -> contextlib.AbstractContextManager[Any]:
+        """Gradient communication for one piece of a micro-step that ``oom_split`` cut after an
+        out-of-memory error (every rank runs the same pieces). The default keeps the
+        micro-step's own: none off the boundary; at the boundary each piece reduces, which adds
+        up (DDP re-averages gradients already equal on every rank; FSDP adds each piece's
+        reduce-scatter into the sharded gradient). A backend that must reduce once per window
+        returns its off-boundary context unless ``last``."""
+        return contextlib.nullcontext()
+
     def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
         return [p.grad for p in params if p.grad is not None]
