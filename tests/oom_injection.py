@@ -3,6 +3,8 @@ safety-net and ``micro_batch_size="auto"`` tests (a real one needs a full GPU)."
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -29,3 +31,14 @@ def make_model(in_features: int = 6, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(in_features, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                          nn.Linear(16, 1), OOMAbove())
+
+
+class LogLines(logging.Handler):
+    """Collects the messages of a logger it is added to (accumix's does not propagate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

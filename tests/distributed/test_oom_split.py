@@ -21,22 +21,13 @@ from torch.utils.data import DataLoader
 import accumix as ax
 from accumix.testing import spawn
 from tests import workloads as w
-from tests.oom_injection import make_model
+from tests.oom_injection import LogLines, make_model
 
 TOL = 1e-6
 K, MICRO = 3, 4
 # Rank 1's loader batch index -> the rows its forward may take: micro-step 2 of window 1 (off
 # the boundary: cut 4 -> 2 -> 1), micro-step 3 of window 2 (the boundary: cut once).
 INJECT = {1: 1, 5: 2}
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _train(strategy: str, *, items: bool, inject: bool) -> dict[str, Any]:
@@ -47,7 +38,7 @@ def _train(strategy: str, *, items: bool, inject: bool) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=w.LR, momentum=w.MOMENTUM)
     data = w.sequence_data(2 * K * MICRO * 2) if items else w.regression_data(2 * K * MICRO * 2)
     model, opt, loader = acc.setup(model, opt, DataLoader(data, batch_size=MICRO))
-    lines = _Lines()
+    lines = LogLines()
     logging.getLogger("accumix").addHandler(lines)
     losses = []
     for index, batch in enumerate(loader):

@@ -17,7 +17,7 @@ import accumix as ax
 from accumix.oom_split import slice_batch
 from accumix.trainer import Trainer
 from tests import workloads as w
-from tests.oom_injection import make_model
+from tests.oom_injection import LogLines, make_model
 
 K, MICRO = 3, 4
 INJECT = {1: 1, 5: 2}  # batch index -> rows the forward may take (off the boundary, on it)
@@ -43,19 +43,10 @@ def _loop(*, items: bool, inject: bool) -> tuple[list[torch.Tensor], int, list[A
     return [p.detach().clone() for p in model.parameters()], acc.optimizer_steps, outs, head.raised
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.mark.parametrize("items", [False, True])
 def test_plain_loop_splits_with_the_unsplit_gradient(items: bool) -> None:
     plain = _loop(items=items, inject=False)
-    handler = _Lines()  # accumix's logger does not propagate to caplog's root handler
+    handler = LogLines()  # accumix's logger does not propagate to caplog's root handler
     logging.getLogger("accumix").addHandler(handler)
     try:
         split = _loop(items=items, inject=True)
