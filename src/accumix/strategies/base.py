@@ -143,6 +143,32 @@ class Strategy:
         returns its off-boundary context unless ``last``."""
         return contextlib.nullcontext()
 
+    def probe_units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules whose forward or backward may communicate: ``micro_batch_size="auto"``
+        agrees across ranks before each (``micro_batch_probe``), so a rank that runs out of
+        memory never leaves another inside a collective. Default: the set-up model itself."""
+        return [model]
+
+    def state_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer that holds this rank's states, stepped without communicating (what
+        ``micro_batch_size="auto"`` copies to measure them): the stepped one itself here."""
+        return optimizer
+
+    def clear_gradients(self, model: nn.Module) -> None:
+        """Drops every gradient a backward without gradient communication left on ``model``
+        (the probe's): afterwards the next backward starts from nothing."""
+        for param in model.parameters():
+            param.grad = None
+
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        """The boundary's reduction for a model whose window's last backward ran under
+        ``no_sync(model)`` (a model unused on the boundary micro-step): its gradients are still
+        each rank's own, and must not be stepped so. Called once per such model and window,
+        before the boundary pass; collective. Backends without deferred communication need
+        nothing; one that cannot reduce outside a backward raises ``ConfigError`` saying what
+        works instead.
+        """
+
     def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
         return [p.grad for p in params if p.grad is not None]
