@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import boundary, checkpoint, fault, window_end
+from accumix import boundary, checkpoint, fault, oom_split, window_end
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.batch_sizes import batch_geometry
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
@@ -457,6 +457,27 @@ class Accelerator:
         self.strategy.backward(loss * multiplier if multiplier != 1.0 else loss,
                                self._models[0] if self._models else None)
         boundary.record_backward(self, before, num_items)
+
+    def run_micro_batch(self, step_fn: Any, batch: Any) -> Any:
+        """Forward and backward of one micro-batch, with the out-of-memory safety net.
+
+        Call it inside ``with acc.accumulate():`` instead of the forward and ``acc.backward``.
+        A micro-batch whose forward raises ``torch.OutOfMemoryError`` is cut into pieces that
+        run in the same micro-step, on every rank alike: the same gradient, the same window and
+        optimizer step, one log line (``oom_split``).
+
+        Args:
+            step_fn: ``step_fn(batch) -> mean_loss | (loss_sum, num_items)``; a mean loss must
+                be the mean over the batch's rows (first dimension).
+            batch: the micro-batch: a tensor, or dicts/lists/tuples of tensors, rows first.
+
+        Returns:
+            ``step_fn``'s result for the whole micro-batch (the pieces' combined, if split).
+
+        Raises:
+            torch.OutOfMemoryError: not even one row fits (on every rank).
+        """
+        return oom_split.run_micro_batch(self, step_fn, batch)
 
     def _finalize(self, optimizers: list[AcceleratedOptimizer]) -> None:
         boundary.finalize(self, optimizers)

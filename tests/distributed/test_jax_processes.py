@@ -2,7 +2,8 @@
 
 One job trains ddp and fsdp on 2 processes x 2 CPU devices against the one-device large batch
 and saves fsdp's state mid-run, then trains from a torch DataLoader sharded per process and
-saves mid-epoch; new processes resume both bitwise; one process loads the first resharded.
+saves mid-epoch, then chooses micro_batch_size='auto' (the minimum over processes); new
+processes resume both bitwise; one process loads the first resharded.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     assert all(r["max_diff"] < 1e-6 for r in loader), [r["max_diff"] for r in loader]
     meta = json.loads((tmp_path / "loader-run" / "step-3" / "meta.json").read_text())
     assert (meta["loader"]["epoch"], meta["loader"]["position"]) == (1, 2)
+
+    # micro_batch_size='auto': process 1's smaller memory_limit decides for both.
+    assert [r["chosen"] for r in _results(tmp_path, "auto")] == [4, 4]
+    assert [r["grad_accum_steps"] for r in _results(tmp_path, "auto")] == [4, 4]
 
     _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "resume"], devices=2)
     resumed = _results(tmp_path, "resume")

@@ -135,6 +135,31 @@ def uneven_and_single(result: dict[str, object]) -> None:
         result["single"] = str(exc)
 
 
+def auto_choice(out: Path) -> None:
+    """micro_batch_size='auto' with a smaller memory_limit on process 1: both take its choice
+    (4 of 2/4/8/16 rows per process), though process 0's limit fits every candidate."""
+    from accumix.jax.micro_batch import window_peak_bytes
+    from accumix.micro_batch_search import DEFAULT_HEADROOM
+
+    def rows(n: int):
+        return w.micro_batches(1, rows=n, seed=3)[0]
+
+    # The peaks from the compiled step (every process makes the Accelerator: it is collective).
+    probe = axj.Accelerator(strategy="ddp", precision="fp32", global_batch_size=32,
+                            micro_batch_size="auto", memory_limit=10**9)
+    state = probe.setup(w.init_params(), w.optimizer())
+    peaks = [window_peak_bytes(probe, state, w.item_loss, rows, m, clip_norm=None)
+             for m in (4, 8)]
+    # Process 1: 4 fits, 8 does not; process 0: everything fits.
+    limit = int(sum(peaks) / 2 / (1 - DEFAULT_HEADROOM)) if jax.process_index() == 1 else 10**9
+    acc = axj.Accelerator(strategy="ddp", precision="fp32", global_batch_size=32,
+                          micro_batch_size="auto", memory_limit=limit)
+    state = acc.setup(w.init_params(), w.optimizer())
+    chosen = acc.find_micro_batch_size(state, w.item_loss, rows)
+    (out / f"auto-{jax.process_index()}.json").write_text(json.dumps(
+        {"chosen": chosen, "grad_accum_steps": acc.grad_accum_steps}))
+
+
 def main(out: Path, mode: str, saved_processes: int) -> None:
     if mode == "mismatch":
         try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
@@ -188,6 +213,8 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
     if mode in ("train", "resume") and acc.world_size > 1:
         train_with_loader(out, "loader" if mode == "train" else "loader-resume")
+    if mode == "train" and acc.world_size > 1:
+        auto_choice(out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,18 @@ from accumix.errors import ConfigError
 from accumix.jax import checkpoint, distributed, trainable
 from accumix.jax.data import Window, WindowLoader, canonical, make_window
 from accumix.jax.loss_scale import LossScaleRule
+from accumix.jax.micro_batch import device_total_bytes, find
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
 from accumix.jax.strategies import AXIS, JaxStrategy, choose_auto, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
+from accumix.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    check_micro_batch_word,
+    is_auto,
+    parse_memory_limit,
+)
 from accumix.precision.loss_scale import DynamicLossScale, check_loss_scale_use
 
 log = logging.getLogger("accumix")
@@ -51,7 +59,10 @@ class Accelerator:
             sizes, else 1.
         global_batch_size: samples per optimizer step over all processes.
         micro_batch_size: samples per micro-step of one process (a set-up DataLoader's
-            ``batch_size`` by default).
+            ``batch_size`` by default); ``"auto"``: the largest that fits, chosen from the
+            compiled step by ``find_micro_batch_size`` (``accumix.jax.micro_batch``).
+        memory_limit: what ``"auto"`` may use per device: bytes, or a percentage such as
+            ``"90%"`` of the device's memory; None: the device's (required on CPU).
         loss_scale: an ``ax.DynamicLossScale`` for fp16; None uses its defaults.
         seed: the PRNG key's seed (and python's, numpy's, torch's if loaded), the same on every
             process.
@@ -66,9 +77,10 @@ class Accelerator:
         precision: str = "auto",
         grad_accum_steps: int | None = None,
         global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | None = None,
         loss_scale: DynamicLossScale | None = None,
         seed: int = 0,
+        memory_limit: int | str | None = None,
     ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"seed={seed!r} is invalid; use an integer")
@@ -81,8 +93,11 @@ class Accelerator:
                              scales=self.policy.needs_loss_scaling)
         self.scaler = LossScaleRule(
             (loss_scale or DynamicLossScale()) if self.policy.needs_loss_scaling else None)
+        check_micro_batch_word(micro_batch_size, global_batch_size)
+        self._memory_limit = parse_memory_limit(memory_limit, device_total=device_total_bytes())
         self._batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
-        self._grad_accum_steps = self._derive_steps(micro_batch_size)
+        self._grad_accum_steps = self._derive_steps(
+            None if is_auto(micro_batch_size) else micro_batch_size)
         self.seed = seed
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -217,6 +232,22 @@ class Accelerator:
             return state
         return state, self._wrap_loader(loader)
 
+    def find_micro_batch_size(self, state: TrainState, loss_fn: LossFn,
+                              make_batch: Callable[[int], Any], *,
+                              clip_norm: float | None = None,
+                              headroom: float = DEFAULT_HEADROOM) -> int:
+        """``micro_batch_size="auto"``: the choice read from the compiled step (never run); K
+        follows. Collective. Arguments and errors: ``accumix.jax.micro_batch.find``."""
+        choice = find(self, state, loss_fn, make_batch, clip_norm=clip_norm, headroom=headroom)
+        self._batch_sizes = (self._batch_sizes[0], self._batch_sizes[1], choice.micro_batch_size)
+        self._grad_accum_steps = choice.grad_accum_steps
+        return choice.micro_batch_size
+
+    def setup_loader(self, loader: Any) -> WindowLoader:
+        """A torch ``DataLoader`` as windows of K batches (``setup``'s third argument, for a
+        loader set up after ``find_micro_batch_size``: its ``batch_size`` must be the choice)."""
+        return self._wrap_loader(loader)
+
     def _wrap_loader(self, loader: Any) -> WindowLoader:
         if not (hasattr(loader, "dataset") and hasattr(loader, "batch_sampler")):
             raise ConfigError(f"cannot set up a {type(loader).__name__} as a loader; pass a "
@@ -226,6 +257,10 @@ class Accelerator:
         from accumix.data import AcceleratedDataLoader
 
         micro = self._batch_sizes[2]
+        if is_auto(micro):
+            raise ConfigError("micro_batch_size='auto' is chosen before the loader: call "
+                              "acc.find_micro_batch_size(state, loss_fn, make_batch), then "
+                              "acc.setup_loader(loader) with that batch_size")
         if micro is not None and loader.batch_size not in (None, micro):
             raise ConfigError(f"DataLoader batch_size={loader.batch_size} differs from "
                               f"micro_batch_size={micro}; make them equal")

@@ -281,6 +281,14 @@ class DeepSpeedStrategy(Strategy):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return off_boundary(self._engine(model))
 
+    def piece_sync(self, model: nn.Module | None, *, boundary: bool, last: bool
+                   ) -> contextlib.AbstractContextManager[Any]:
+        # The engine's boundary (stage 1's reduction, the partitions' copy-or-add) once per
+        # window: only the last piece of a boundary micro-step is on it.
+        if boundary and not last:
+            return off_boundary(self._engine(model))
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         # The façade already divided by K (or the item hint); the engine adds only its fp16 scale.
         engine = self._engine(model)
