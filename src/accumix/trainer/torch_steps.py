@@ -135,9 +135,19 @@ class TorchSteps:
         assert meter is not None
         trainer.dispatch("on_train_batch_start", batch)
         with acc.accumulate():
-            # The forward and backward, split into pieces of this micro-step if out of memory.
-            loss, num_items = split_loss(acc.run_micro_batch(
-                lambda part: self._forward(trainer, part), batch))
+            if acc.world_size == 1 or acc.micro_batch_choice is not None:
+                # The forward and backward, split into pieces of this micro-step if out of
+                # memory (a batch longer than micro_batch_size="auto" probed).
+                loss, num_items = split_loss(acc.run_micro_batch(
+                    lambda part: self._forward(trainer, part), batch))
+            else:
+                # A micro-batch the user sized: no safety net, so no agreement collective (and
+                # host sync) per micro-step in a distributed run.
+                loss, num_items = split_loss(self._forward(trainer, batch))
+                if num_items is None:
+                    acc.backward(loss)
+                else:
+                    acc.backward(loss, num_items=num_items)
             meter.add(loss, num_items, batch_samples(batch))
             trainer.dispatch("on_after_backward")
             if acc.sync_gradients:
