@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
 from accumix.jax.gather import REMAT_POLICY, gather_at_use, name_gathered
+from accumix.jax.trainable import accum_dtype
 
 AXIS = "data"
 STRATEGY_WORDS = ("single", "ddp", "zero1", "fsdp", "auto")
@@ -176,13 +177,14 @@ class FSDPStrategy(JaxStrategy):
         return f"FSDPStrategy(sync_each_microstep={self.sync_each_microstep})"
 
     def grad_target(self, local: Any, specs: Any) -> Any:
-        """float32 zeros of the accumulator's shape: the full leaf, or its shard when synced."""
+        """Zeros of the accumulator's shape and dtype (``accum_dtype``: float32, complex for
+        complex leaves): the full leaf, or its shard when synced."""
         def tap(x: jax.Array, spec: P) -> jax.Array:
             shape = list(x.shape)
             dim = _axis_dim(spec)
             if dim is not None and not self.sync_each_microstep:
                 shape[dim] *= self.num_devices
-            return jnp.zeros(shape, jnp.float32)
+            return jnp.zeros(shape, accum_dtype(x.dtype))
         return jax.tree.map(tap, local, specs)
 
     def params_at_use(self, local: Any, target: Any, specs: Any, weight: jax.Array) -> Any:
@@ -211,10 +213,11 @@ def resolve_jax_strategy(word: str | JaxStrategy) -> JaxStrategy | None:
     """The strategy for a word; None for ``"auto"`` (chosen at setup from the memory model).
 
     Raises:
-        ConfigError: ``"deepspeed"`` (a torch engine) or an unknown word.
+        ConfigError: ``"deepspeed"`` (a torch engine), an unknown word, or ``"single"`` in a
+            job of several processes.
     """
     if isinstance(word, JaxStrategy):
-        return word
+        return _one_world(word)
     if word == "deepspeed":
         raise ConfigError(
             "strategy='deepspeed' is a PyTorch engine and has no JAX backend; use 'zero1' "
@@ -226,4 +229,15 @@ def resolve_jax_strategy(word: str | JaxStrategy) -> JaxStrategy | None:
         raise ConfigError(
             f"unknown strategy {word!r} for accumix.jax; use one of {', '.join(STRATEGY_WORDS)}"
         )
-    return _CLASSES[word]()
+    return _one_world(_CLASSES[word]())
+
+
+def _one_world(strategy: JaxStrategy) -> JaxStrategy:
+    """Refuses a one-device strategy in a job of several processes: each process would train
+    its own copy apart (the torch side refuses it alike)."""
+    if strategy.name == "single" and jax.process_count() > 1:
+        raise ConfigError(
+            f"strategy='single' cannot run in a world of {jax.process_count()} processes; "
+            "use 'ddp' (or 'auto'), or launch one process")
+    return strategy
+
