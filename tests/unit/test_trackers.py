@@ -86,6 +86,36 @@ def test_off_rank_0_a_tracker_does_nothing_and_never_fails(tmp_path: Path,
     assert list(tmp_path.iterdir()) == []  # no run, no store, no trackers.json
 
 
+def test_the_rank_comes_from_a_process_group_started_without_launcher_variables(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain loop that ran ``init_process_group(rank=1, ...)`` (mp.spawn, no RANK): rank 1
+    must not open a second run."""
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    assert base.process_rank() == 1
+    logger = MLflowLogger()
+    logger.open(tmp_path, resume_step=0)
+    logger.log({"step": 1, "loss": 1.0})
+    logger.close()
+    assert (logger.run_id, sorted(p.name for p in tmp_path.iterdir())) == (None, [])
+
+
+def test_the_rank_never_starts_jax_in_a_job_that_only_imported_it() -> None:
+    """Asking ``jax.process_count()`` starts JAX's backends (most of a GPU's memory, and a later
+    ``jax.distributed.initialize`` fails): a torch job that imported jax keeps them unstarted."""
+    pytest.importorskip("jax")
+    code = ("import jax\nfrom jax._src import xla_bridge\n"
+            "from accumix.trainer.trackers.base import process_rank\n"
+            "print(process_rank(), len(xla_bridge._backends))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["0", "0"]
+
+
 def test_the_plain_loop_logs_through_wandb_offline(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_MODE", raising=False)
