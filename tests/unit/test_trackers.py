@@ -142,6 +142,38 @@ def test_the_plain_loop_logs_through_wandb_offline(tmp_path: Path,
     assert config["lr"] == 0.1 and config["model.width"] == 8
 
 
+def test_a_failed_fit_ends_its_mlflow_run_as_failed(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from mlflow.tracking import MlflowClient
+    from torch.utils.data import DataLoader
+
+    from tests import workloads as w
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    calls = []
+
+    def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return w.mean_loss(model, batch)
+
+    data = w.regression_data(16)
+    model = w.make_model()
+    trainer = ax.Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         train_loader=DataLoader(data, batch_size=4),
+                         accelerator=ax.Accelerator(precision="fp32"), step_fn=failing,
+                         max_steps=4, run_dir=tmp_path, loggers=["mlflow"],
+                         progress_bar=False, system_metrics_every=None)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert client.get_run(run_id).info.status == "FAILED"  # was FINISHED
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+
+
 def test_the_jax_backend_logs_one_mlflow_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("jax")

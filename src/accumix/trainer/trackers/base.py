@@ -106,6 +106,13 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+def run_outcome(exc: BaseException | None) -> str:
+    """How a run that closes while ``exc`` is handled ended, in MLflow's words."""
+    if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+        return "FINISHED"
+    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+
+
 class TrackerLogger(MetricLogger):
     """A tracker run, opened on rank 0 only; subclasses talk to one library.
 
@@ -174,14 +181,19 @@ class TrackerLogger(MetricLogger):
 
     @override
     def close(self) -> None:
+        """Ends the run. Called while an exception is being handled (the Trainer's failure
+        path, or a plain loop's ``finally``), the run ends as failed (``KILLED`` for Ctrl-C)
+        and uploads no model; a ``SystemExit(0)`` (a pre-emption's save-and-exit) ends it
+        normally."""
         if not self.active:
             return
         self.active = False
+        status = run_outcome(sys.exc_info()[1])
         model = self.run_dir / MODEL_FILE if self.run_dir is not None else None
-        if (self.log_model and model is not None and model.exists()
+        if (status == "FINISHED" and self.log_model and model is not None and model.exists()
                 and model.stat().st_mtime >= self._opened_at - 1):
             self._upload(model)
-        self._finish()
+        self._finish(status)
 
     # -- what a library does -------------------------------------------------------------------
     def _start(self, saved: dict[str, Any] | None, resume_step: int) -> dict[str, Any]:
@@ -196,5 +208,6 @@ class TrackerLogger(MetricLogger):
     def _upload(self, path: Path) -> None:
         raise NotImplementedError
 
-    def _finish(self) -> None:
+    def _finish(self, status: str) -> None:
+        """Ends the run as ``FINISHED``, ``FAILED`` or ``KILLED`` (``run_outcome``)."""
         raise NotImplementedError

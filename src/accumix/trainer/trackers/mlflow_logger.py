@@ -144,5 +144,5 @@ class MLflowLogger(TrackerLogger):
         self._client.log_artifact(self.run_id, str(path))
 
     @override
-    def _finish(self) -> None:
-        self._client.set_terminated(self.run_id)
+    def _finish(self, status: str) -> None:
+        self._client.set_terminated(self.run_id, status=status)
