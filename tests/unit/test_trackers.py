@@ -174,6 +174,38 @@ def test_a_failed_fit_ends_its_mlflow_run_as_failed(tmp_path: Path,
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
 
 
+def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow refuses ``[``/``(`` in names and keys over 250 characters by raising, which
+    stopped the fit at the first such row; values over 6000 characters it cuts, which must not
+    read as a changed param on resume."""
+    import numpy as np
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    long_key, long_value = "k" * 300, "v" * 7000
+    for attempt in (0, 1):  # the second: a resume of the same run with the same params
+        logger = MLflowLogger()
+        logger.open(tmp_path, resume_step=attempt)
+        logger.log_params({"lr[0]": 0.1, long_key: 1, "text": long_value,
+                           "model": {"dims": [8, 16], "none": None}})
+        logger.log({"step": 1 + attempt, "loss": np.float32(0.5), "val_loss(ema)": 2.0,
+                    "acc": torch.tensor(0.25), "nan": float("nan"), "skipped": 0})
+        logger.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+               for key in ("loss", "val_loss_ema_", "acc")}
+    assert history == {"loss": [(1, 0.5), (2, 0.5)], "val_loss_ema_": [(1, 2.0), (2, 2.0)],
+                       "acc": [(1, 0.25), (2, 0.25)]}
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "nan")] == [1, 2]
+    params = run.data.params
+    assert (params["lr_0_"], params["k" * 250], len(params["text"]), params["model.dims"],
+            params["model.none"]) == ("0.1", "1", 6000, "[8, 16]", "None")
+
+
 def test_the_jax_backend_logs_one_mlflow_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("jax")
