@@ -10,7 +10,8 @@ The step, as the user's loop drives it (each call a no-op where it has nothing t
                                     #   backward reached them since, step or skip
         scheduler.step()            # only if the optimizer really stepped
         optimizer.zero_grad()       # only once the window's gradients have been used
-                                    # (block exit at the boundary: update the loss scale)
+                                    # (the loss scale moves once per window, after its last
+                                    #   step, in the block or after it: ``window_end.py``)
 
 With several optimizers each keeps its own window (``boundary.py``): the backward calls that
 reached its parameters, their item counts, its finalize and its step.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,27 +33,30 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import boundary, checkpoint, fault
+from accumix import boundary, checkpoint, fault, oom_split, window_end
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.batch_sizes import batch_geometry
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
-from accumix.data import AcceleratedDataLoader
+from accumix.data import AcceleratedDataLoader, with_batch_size
 from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
 from accumix.errors import AccumixError, ConfigError
 from accumix.logging_setup import configure_logging
-from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
+from accumix.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    MicroBatchChoice,
+    check_micro_batch_word,
+    is_auto,
+    parse_memory_limit,
+)
+from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
+from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
+from accumix.precision.loss_scale import check_loss_scale_use
 from accumix.strategies import Strategy, resolve_strategy
 from accumix.strategies.base import params_of
 from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
 
 log = logging.getLogger("accumix")
-
-_SCHEDULER_TYPES: tuple[type, ...] = (
-    torch.optim.lr_scheduler.LRScheduler,
-    torch.optim.lr_scheduler.ReduceLROnPlateau,
-)
-
 
 class _MicroStep:
     """The context of ``acc.accumulate()``; a class rather than a generator for speed."""
@@ -64,6 +69,7 @@ class _MicroStep:
     def __enter__(self) -> None:
         acc = self.acc
         acc._begin_micro_step()
+        acc._micro_step_models = self.models
         if not acc._window.is_boundary:
             for model in self.models or acc._models:
                 ctx = acc.strategy.no_sync(model)
@@ -76,7 +82,7 @@ class _MicroStep:
         acc = self.acc
         acc._in_micro_step = False
         if acc._window.is_boundary:
-            acc._update_loss_scale()
+            window_end.update_loss_scale(acc)
         acc._window.end()
 
 
@@ -91,7 +97,11 @@ class Accelerator:
         grad_accum_steps: micro-steps per optimizer step (int >= 1); None derives it from the
             two batch sizes, else 1.
         global_batch_size: samples per optimizer step over all data-parallel ranks.
-        micro_batch_size: samples per forward on one rank (default: the set-up loader's).
+        micro_batch_size: samples per forward on one rank (default: the set-up loader's);
+            ``"auto"``: the largest that fits, chosen by ``find_micro_batch_size``.
+        memory_limit: what ``"auto"`` may use per device: bytes, or a percentage such as
+            ``"90%"`` of the device's memory (on CPU: this process's share of the host's);
+            None: the whole device.
         loss_scale: a ``DynamicLossScale`` for fp16; None uses its defaults.
         seed: seeds python, numpy and torch identically on every rank.
         timeout: seconds a collective may wait before every rank stops with an error.
@@ -110,7 +120,8 @@ class Accelerator:
         precision: str | Policy = "auto",
         grad_accum_steps: int | None = None,
         global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | None = None,
+        memory_limit: int | str | None = None,
         loss_scale: DynamicLossScale | None = None,
         seed: int | None = None,
         timeout: float = 600.0,
@@ -124,26 +135,22 @@ class Accelerator:
         self.device = pick_device(self.launch)
         init_process_group(self.launch, self.device, timeout)
         self.policy = resolve_policy(precision, self.device)
-        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
-            raise ConfigError(
-                f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None"
-            )
+        check_loss_scale_use(loss_scale, precision=precision, chosen=self.policy.name,
+                             scales=self.policy.needs_loss_scaling)
+        scaler: DynamicLossScale | NoLossScale = NoLossScale()
         if self.policy.needs_loss_scaling:
-            scaler: DynamicLossScale | NoLossScale = loss_scale or DynamicLossScale()
-        elif loss_scale is not None and precision != "auto":
-            raise ConfigError(
-                f"loss_scale is only used by precision='fp16-mixed', not {self.policy.name!r}"
-            )
-        else:
-            scaler = NoLossScale()
+            scaler = loss_scale or DynamicLossScale()
         self.strategy = resolve_strategy(strategy, self.launch)
         # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
         self._auto_strategy = strategy == "auto" and self.launch.world_size > 1
         self.strategy.connect(
             launch=self.launch, device=self.device, policy=self.policy, scaler=scaler
         )
+        check_micro_batch_word(micro_batch_size, global_batch_size)
+        self._memory_limit = parse_memory_limit(memory_limit, device_total=device_total_bytes(
+            self.device, local_world_size=self.launch.local_world_size))
         self._batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
-        steps = self._derive_steps(micro_batch_size)
+        steps = self._derive_steps(None if is_auto(micro_batch_size) else micro_batch_size)
         self._window = AccumulationWindow(steps or 1)
         self._steps_known = steps is not None
         self._steps_assigned = False
@@ -159,11 +166,11 @@ class Accelerator:
         self._set_up: set[int] = set()
         self._in_micro_step = False
         self._micro_step = _MicroStep(self, ())
-        self._decided_window = -1  # the window whose first optimizer step has been taken
-        self._counted_window = -1  # the window counted in optimizer_steps
-        self._window_found_inf: bool | None = None  # this window's overflow, once decided
+        self._micro_step_models: tuple[nn.Module, ...] = ()  # accumulate()'s (): every model
+        self._step = boundary.StepRecord()
         self.optimizer_steps = 0
         self.step_was_skipped = False
+        self._micro_batch_choice: MicroBatchChoice | None = None
         self._check_same_config()
 
     # -- read-only state ---------------------------------------------------------------------
@@ -232,7 +239,7 @@ class Accelerator:
         for obj in objects:
             if id(obj) in self._set_up:
                 raise ConfigError(f"{type(obj).__name__} was already set up; set it up once")
-            if not isinstance(obj, (nn.Module, Optimizer, DataLoader, *_SCHEDULER_TYPES)):
+            if not (isinstance(obj, (nn.Module, Optimizer, DataLoader)) or is_scheduler(obj)):
                 raise ConfigError(
                     f"cannot set up a {type(obj).__name__}; pass nn.Module, torch.optim "
                     "optimizers, LR schedulers and DataLoaders"
@@ -252,6 +259,7 @@ class Accelerator:
                 self._choose_auto_strategy(model, owned)
             micro = self._batch_sizes[2] or next(
                 (w.loader.batch_size for w in self._loaders if w.loader.batch_size), None)
+            micro = None if is_auto(micro) else micro
             self.strategy.set_batch_geometry(micro_batch_size=micro,
                                              grad_accum_steps=self.grad_accum_steps)
             wrapped, opts = self.strategy.setup(model, owned)
@@ -260,21 +268,56 @@ class Accelerator:
             self._models.append(wrapped)
             result[id(given)] = wrapped
             for raw, opt in zip(owned, opts, strict=True):
-                result[id(raw)] = self._wrap_optimizer(opt)
+                result[id(raw)] = self._wrap_optimizer(opt, wrapped)
         for opt in optimizers:
             if id(opt) not in result:
-                if not any(_owns(self.unwrap(m), opt) for m in self._models):
+                owner = next((m for m in self._models if _owns(self.unwrap(m), opt)), None)
+                if owner is None:
                     raise ConfigError(
                         "an optimizer's parameters belong to no set-up model; "
                         "call acc.setup(model, optimizer) with its model"
                     )
-                result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt))
+                result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt),
+                                                       owner)
         for obj in objects:
-            if isinstance(obj, _SCHEDULER_TYPES):
+            if is_scheduler(obj):
                 result[id(obj)] = self._wrap_scheduler(obj)
         self._set_up.update(id(o) for o in objects)
         out = tuple(result[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
+
+    def find_micro_batch_size(self, step: Callable[[Any], Any], make_batch: Callable[[int], Any],
+                              *, headroom: float = DEFAULT_HEADROOM,
+                              run_dir: str | os.PathLike[str] | None = None) -> int:
+        """Chooses ``micro_batch_size="auto"``: the largest micro-batch that divides
+        ``global_batch_size / data-parallel world`` and fits on every rank; K follows.
+
+        Call it after setting up the model(s) and optimizer(s), before setting up the
+        DataLoader (which is then re-batched to the chosen size). Collective. Probing changes
+        no state: the run is bit-identical to one given the chosen size (``micro_batch_probe``).
+
+        Args:
+            step: ``step(batch) -> loss`` (or ``(loss_sum, num_items)``): the forward and loss
+                of a micro-step on the set-up model; accumix runs the backward.
+            make_batch: ``make_batch(n)``: a batch of n rows, the longest the data can give.
+            headroom: the fraction of the memory limit left free.
+            run_dir: where the choice is cached (an elastic restart on another world re-probes).
+
+        Returns:
+            The chosen micro-batch size.
+
+        Raises:
+            ConfigError: ``micro_batch_size`` is not ``"auto"``, nothing was set up, or not even
+                a micro-batch of 1 fits.
+        """
+        from accumix.micro_batch_probe import find_micro_batch_size
+
+        return find_micro_batch_size(self, step, make_batch, headroom=headroom, run_dir=run_dir)
+
+    @property
+    def micro_batch_choice(self) -> MicroBatchChoice | None:
+        """What ``micro_batch_size="auto"`` chose and why (None before, or without auto)."""
+        return self._micro_batch_choice
 
     def _choose_auto_strategy(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
         """Swaps the provisional ddp for the memory model's choice, before anything is set up."""
@@ -288,8 +331,8 @@ class Accelerator:
         self.strategy = chosen
         log.info("strategy='auto' chose %s", reason)
 
-    def _wrap_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(optimizer, self)
+    def _wrap_optimizer(self, optimizer: Optimizer, model: nn.Module) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(optimizer, self, model)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -309,6 +352,12 @@ class Accelerator:
 
     def _wrap_loader(self, loader: DataLoader) -> AcceleratedDataLoader:
         _, global_batch, micro = self._batch_sizes
+        if is_auto(micro):
+            raise ConfigError("micro_batch_size='auto' is not chosen yet: set up the model and "
+                              "optimizer, call acc.find_micro_batch_size(step, make_batch), "
+                              "then set up the DataLoader")
+        if self._micro_batch_choice is not None:
+            loader = with_batch_size(loader, micro)  # the chosen size, whatever it was given
         if micro is not None and loader.batch_size not in (None, micro):
             raise ConfigError(
                 f"DataLoader batch_size={loader.batch_size} differs from micro_batch_size="
@@ -368,6 +417,9 @@ class Accelerator:
     def _begin_micro_step(self) -> None:
         if self._in_micro_step:
             raise AccumixError("acc.accumulate() was entered twice; micro-steps do not nest")
+        if is_auto(self._batch_sizes[2]):
+            raise ConfigError("micro_batch_size='auto' is not chosen yet; call "
+                              "acc.find_micro_batch_size(step, make_batch) before the loop")
         if not self._steps_known:
             raise ConfigError(
                 "global_batch_size was given without micro_batch_size and no DataLoader was "
@@ -375,6 +427,8 @@ class Accelerator:
             )
         if self._preemption is not None and not self._loaders:
             self._preemption.at_batch()  # no set-up loader calls it between batches
+        if not self._window.micro_step:  # a new window: the last one's end comes first
+            window_end.close_window(self)
         self._in_micro_step = True
         self._window.begin()
 
@@ -402,8 +456,28 @@ class Accelerator:
         before = boundary.marks_before(self._optimizers, self.strategy)
         self.strategy.backward(loss * multiplier if multiplier != 1.0 else loss,
                                self._models[0] if self._models else None)
-        boundary.record_backward(boundary.reached(self._optimizers, before, self.strategy),
-                                 window, num_items)
+        boundary.record_backward(self, before, num_items)
+
+    def run_micro_batch(self, step_fn: Any, batch: Any) -> Any:
+        """Forward and backward of one micro-batch, with the out-of-memory safety net.
+
+        Call it inside ``with acc.accumulate():`` instead of the forward and ``acc.backward``.
+        A micro-batch whose forward raises ``torch.OutOfMemoryError`` is cut into pieces that
+        run in the same micro-step, on every rank alike: the same gradient, the same window and
+        optimizer step, one log line (``oom_split``).
+
+        Args:
+            step_fn: ``step_fn(batch) -> mean_loss | (loss_sum, num_items)``; a mean loss must
+                be the mean over the batch's rows (first dimension).
+            batch: the micro-batch: a tensor, or dicts/lists/tuples of tensors, rows first.
+
+        Returns:
+            ``step_fn``'s result for the whole micro-batch (the pieces' combined, if split).
+
+        Raises:
+            torch.OutOfMemoryError: not even one row fits (on every rank).
+        """
+        return oom_split.run_micro_batch(self, step_fn, batch)
 
     def _finalize(self, optimizers: list[AcceleratedOptimizer]) -> None:
         boundary.finalize(self, optimizers)
@@ -439,13 +513,6 @@ class Accelerator:
 
     def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
         return boundary.optimizer_step(self, optimizer, closure)
-
-    def _update_loss_scale(self) -> None:
-        """Once per window, after all of its steps: every backward and every finalize of a
-        window use one scale, however many optimizers step and in whichever order."""
-        if self._window_found_inf is not None:
-            self.strategy.scaler.update(self._window_found_inf)
-            self._window_found_inf = None
 
     # -- collectives and helpers ---------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

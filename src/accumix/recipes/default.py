@@ -126,7 +126,10 @@ class TrainConfig:
         compile: ``torch.compile`` the model (inductor) after the strategy wrapped it
             (``Accelerator(compile=True)``); the JAX backend always jits and ignores it.
         global_batch_size: documents per optimizer step over all ranks (fixed whatever nproc).
-        micro_batch_size: documents per forward on one rank.
+        micro_batch_size: documents per forward on one rank, or ``auto``: the largest that
+            fits (probed with ``block_size``-token documents, the longest the data gives).
+        memory_limit: what ``micro_batch_size=auto`` may use per device: bytes or a
+            percentage such as ``"90%"``; null: the whole device.
         max_steps: optimizer steps to train (None: ``max_epochs`` decides).
         max_epochs: epochs to train (None: ``max_steps`` decides).
         eval_every: evaluate every N steps (and at the end); None: only at the end.
@@ -155,7 +158,8 @@ class TrainConfig:
     precision: str = "auto"
     compile: bool = False
     global_batch_size: int = 32
-    micro_batch_size: int = 8
+    micro_batch_size: int | Literal["auto"] = 8
+    memory_limit: int | str | None = None
     max_steps: int | None = 120
     max_epochs: int | None = None
     eval_every: int | None = 40
@@ -246,10 +250,12 @@ def datasets(config: TrainConfig) -> tuple[list[Path], list[Path], ByteDocumentD
     return train_files, val_files, train, val
 
 
-def total_steps(config: TrainConfig, documents: int, world_size: int, grad_accum_steps: int
-                ) -> int:
+def total_steps(config: TrainConfig, documents: int, world_size: int, grad_accum_steps: int,
+                micro_batch_size: int | None = None) -> int:
     """The step the schedule decays to: ``max_steps``, or ``max_epochs`` worth of windows."""
-    per_rank_batches = math.ceil(math.ceil(documents / world_size) / config.micro_batch_size)
+    micro = micro_batch_size or config.micro_batch_size
+    assert isinstance(micro, int)
+    per_rank_batches = math.ceil(math.ceil(documents / world_size) / micro)
     steps_per_epoch = math.ceil(per_rank_batches / grad_accum_steps)
     return min(s for s in (config.max_steps, config.max_epochs and
                            config.max_epochs * steps_per_epoch) if s)
@@ -268,6 +274,32 @@ def gpt_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     return model(batch["input_ids"], labels=batch["labels"])
 
 
+def choose_micro_batch(acc: Any, config: TrainConfig, model: GPT, optimizer: Any, *,
+                       cache: bool = True) -> tuple[Any, Any, int]:
+    """``micro_batch_size=auto``: sets up the model and optimizer and probes them with
+    ``block_size``-token documents (the longest the data gives); the choice is cached in the run
+    directory when ``cache``. Returns the set-up model, optimizer and the chosen micro batch."""
+    trained, stepped = acc.setup(model, optimizer)
+    worst = [torch.zeros(config.model.block_size + 1, dtype=torch.int64)]  # a full block
+    micro = acc.find_micro_batch_size(lambda batch: gpt_step(trained, batch),
+                                      lambda n: pad_collate(worst * n),
+                                      run_dir=config.run_dir if cache else None)
+    return trained, stepped, micro
+
+
+def new_optimizer(config: TrainConfig, model: GPT) -> torch.optim.Optimizer:
+    """The recipe's AdamW (learning rate scaled to the global batch when asked)."""
+    opt_cfg = config.optimizer
+    lr = opt_cfg.lr
+    if opt_cfg.base_batch_size is not None:
+        from accumix.trainer import scale_lr
+
+        lr = scale_lr(lr, global_batch_size=config.global_batch_size,
+                      base_batch_size=opt_cfg.base_batch_size, rule=opt_cfg.scale_rule)
+    return torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=lr,
+                             betas=opt_cfg.betas)
+
+
 def run(config: TrainConfig) -> int:
     """Trains the recipe on the processes this one was launched with (collective).
 
@@ -279,33 +311,33 @@ def run(config: TrainConfig) -> int:
     """
     import accumix as ax
     from accumix.recipes.tracking import SaveModelAtEnd, tracking_options
-    from accumix.trainer import ThroughputMonitor, Trainer, scale_lr, warmup_schedule
+    from accumix.trainer import ThroughputMonitor, Trainer, warmup_schedule
 
     started = time.perf_counter()
     acc = ax.Accelerator(strategy=config.strategy, precision=config.precision,
                          global_batch_size=config.global_batch_size,
                          micro_batch_size=config.micro_batch_size, seed=config.seed,
+                         memory_limit=config.memory_limit,
                          compile=True if config.compile else None)
     train_files, val_files, train, val = datasets(config)
     model = GPT(config.model)
     if config.init_from is not None:
         load_weights(model, config.init_from)
     opt_cfg = config.optimizer
-    lr = opt_cfg.lr
-    if opt_cfg.base_batch_size is not None:
-        lr = scale_lr(lr, global_batch_size=config.global_batch_size,
-                      base_batch_size=opt_cfg.base_batch_size, rule=opt_cfg.scale_rule)
-    optimizer = torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=lr,
-                                  betas=opt_cfg.betas)
-    loader = DataLoader(train, batch_size=config.micro_batch_size, shuffle=True,
-                        collate_fn=pad_collate)
-    total = total_steps(config, len(train), acc.world_size, acc.grad_accum_steps)
+    optimizer = new_optimizer(config, model)
+    micro, trained, stepped = config.micro_batch_size, model, optimizer
+    if micro == "auto":  # probed now: the loader, the schedule and the Trainer get the choice
+        trained, stepped, micro = choose_micro_batch(acc, config, model, optimizer)
+    loader = DataLoader(train, batch_size=micro, shuffle=True, collate_fn=pad_collate)
+    total = total_steps(config, len(train), acc.world_size, acc.grad_accum_steps, micro)
     scheduler = warmup_schedule(optimizer, warmup_steps=min(opt_cfg.warmup_steps, total),
                                 total_steps=total, decay=opt_cfg.decay,
                                 min_ratio=opt_cfg.min_lr_ratio)
+    if stepped is not optimizer:  # set up already: the Trainer takes set-up objects only
+        loader, scheduler = acc.setup(loader, scheduler)
     trainer = Trainer(
-        model=model, optimizer=optimizer, train_loader=loader, scheduler=scheduler,
-        val_loader=DataLoader(val, batch_size=config.micro_batch_size, collate_fn=pad_collate),
+        model=trained, optimizer=stepped, train_loader=loader, scheduler=scheduler,
+        val_loader=DataLoader(val, batch_size=micro, collate_fn=pad_collate),
         accelerator=acc, step_fn=gpt_step, max_steps=config.max_steps,
         max_epochs=config.max_epochs, eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every, run_dir=config.run_dir, resume=config.resume,
@@ -320,7 +352,7 @@ def run(config: TrainConfig) -> int:
         f"{len(train)} documents; {len(val_files)} files held out)\n"
         f"  {acc.world_size} process(es), strategy {acc.strategy.name}, precision "
         f"{acc.policy.name}, global batch {config.global_batch_size} = micro batch "
-        f"{config.micro_batch_size} x {acc.world_size} rank(s) x K={acc.grad_accum_steps}; "
+        f"{micro} x {acc.world_size} rank(s) x K={acc.grad_accum_steps}; "
         f"run directory {config.run_dir}", flush=True)
     result = trainer.fit()  # SaveModelAtEnd wrote the weights both backends load (init_from=)
     unwrapped = acc.unwrap(trainer.model)

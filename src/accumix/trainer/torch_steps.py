@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from accumix.accelerator import Accelerator
 from accumix.data import AcceleratedDataLoader
 from accumix.errors import ConfigError
+from accumix.micro_batch_probe import batch_maker, needs_choice
 from accumix.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
 from accumix.trainer.metrics import (
@@ -71,7 +72,15 @@ class TorchSteps:
             self.scheduler = scheduler
         else:
             objects = [model, optimizer, train_loader] + ([scheduler] if scheduler else [])
-            prepared = acc.setup(*objects)
+            if needs_choice(acc):  # micro_batch_size="auto": chosen before the loader is set up
+                model, optimizer = acc.setup(model, optimizer)
+                step = step_fn or default_step
+                acc.find_micro_batch_size(lambda batch: step(model, batch),
+                                          batch_maker(train_loader))
+                rest = acc.setup(*objects[2:])
+                prepared = [model, optimizer, *(rest if isinstance(rest, tuple) else (rest,))]
+            else:
+                prepared = acc.setup(*objects)
             self.model, self.optimizer, self.train_loader = prepared[:3]
             self.scheduler = prepared[3] if scheduler else None
         if not isinstance(self.train_loader, AcceleratedDataLoader):
@@ -126,15 +135,20 @@ class TorchSteps:
         assert meter is not None
         trainer.dispatch("on_train_batch_start", batch)
         with acc.accumulate():
-            loss, num_items = split_loss(self.step_fn(self.model, batch))
-            meter.add(loss, num_items, batch_samples(batch))
-            trainer.dispatch("on_before_backward", loss)
-            if acc.sync_gradients:
-                meter.mark_ready()
-            if num_items is None:
-                acc.backward(loss)
+            if acc.world_size == 1 or acc.micro_batch_choice is not None:
+                # The forward and backward, split into pieces of this micro-step if out of
+                # memory (a batch longer than micro_batch_size="auto" probed).
+                loss, num_items = split_loss(acc.run_micro_batch(
+                    lambda part: self._forward(trainer, part), batch))
             else:
-                acc.backward(loss, num_items=num_items)
+                # A micro-batch the user sized: no safety net, so no agreement collective (and
+                # host sync) per micro-step in a distributed run.
+                loss, num_items = split_loss(self._forward(trainer, batch))
+                if num_items is None:
+                    acc.backward(loss)
+                else:
+                    acc.backward(loss, num_items=num_items)
+            meter.add(loss, num_items, batch_samples(batch))
             trainer.dispatch("on_after_backward")
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(trainer.grad_clip or math.inf)
@@ -154,6 +168,14 @@ class TorchSteps:
         else:
             trainer.micro_step += 1
         trainer.dispatch("on_train_batch_end", batch)
+
+    def _forward(self, trainer: Trainer, batch: Any) -> Any:
+        output = self.step_fn(self.model, batch)
+        trainer.dispatch("on_before_backward", split_loss(output)[0])
+        if self.accelerator.sync_gradients:
+            assert self._meter is not None
+            self._meter.mark_ready()  # this rank's boundary backward comes next
+        return output
 
     # -- evaluation and checkpoints --------------------------------------------------------------
     def validate(self) -> dict[str, float]:
