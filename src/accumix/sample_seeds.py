@@ -20,7 +20,11 @@ would have to become a ``StatefulDataLoader``.
 
 The sampler hands the dataset ``(seed, epoch, index)`` keys (``EpochSeedTagged``); the workers
 need no message from the main process when an epoch starts, so persistent workers work too.
-The collate runs under streams of its batch's first key (``SeededCollate``). Cost: ~23 us a
+The collate runs under streams of its batch's first key (``SeededCollate``). A dataset with
+its own batched read (``__getitems__``: torch's ``Subset``, what ``random_split`` returns, and
+Hugging Face datasets) is read item by item all the same: one seed for a whole batch would
+make a sample's draws depend on the batch it fell in (another world size, another batch).
+Cost: ~23 us a
 sample (re-seeding three Mersenne twisters and their first draw after it; bench/sample_seeds.py),
 and in the main process (``num_workers=0``) ~80 us a batch to save and restore the states
 (numpy's ``get_state``/``set_state`` are most of it).
@@ -37,6 +41,7 @@ import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 _MASK = (1 << 64) - 1
+_NUMPY = 0x6E756D70  # numpy's stream differs from python's (see _seed_all)
 
 
 def mix(seed: int, epoch: int, index: int) -> int:
@@ -53,7 +58,11 @@ def mix(seed: int, epoch: int, index: int) -> int:
 
 def _seed_all(seed: int) -> None:
     torch.default_generator.manual_seed(seed)  # the CPU generator only: CUDA's is left be
-    np.random.seed(seed & 0xFFFFFFFF)  # the legacy seeder takes 32 bits
+    # The legacy seeder takes 32 bits as an integer; as 32-bit words it keeps all 64 (one word
+    # would let ~n^2/2^33 sample pairs of an epoch share a stream). A third word: python's
+    # random.seed feeds the same two words to the same Mersenne twister, whose draws numpy's
+    # would then repeat.
+    np.random.seed((seed & 0xFFFFFFFF, seed >> 32, _NUMPY))
     random.seed(seed)
 
 
@@ -106,20 +115,16 @@ class SeededDataset(Dataset):
 
     def __getitems__(self, keys: list[tuple[int, int, int]]) -> list[Any]:
         """A batch (the DataLoader's fetcher reads batches through this): the states are saved
-        once here and put back by ``SeededCollate`` after the collate, which runs next. A
-        dataset with its own batched read (Hugging Face datasets) gets it under the streams of
-        the batch's first sample."""
+        once here and put back by ``SeededCollate`` after the collate, which runs next. Each
+        sample is read on its own under its own streams, also from a dataset with a batched
+        read of its own (``Subset`` defines one): that read would draw a whole batch from one
+        stream."""
         saved = _capture()
         try:
-            batched = getattr(self.dataset, "__getitems__", None)
-            if batched is None:
-                samples = []
-                for seed, epoch, index in keys:
-                    _seed_all(mix(seed, epoch, index))
-                    samples.append(self.dataset[index])
-            else:
-                _seed_all(mix(*keys[0]))
-                samples = list(batched([key[2] for key in keys]))
+            samples = []
+            for seed, epoch, index in keys:
+                _seed_all(mix(seed, epoch, index))
+                samples.append(self.dataset[index])
         except BaseException:
             _restore(saved)
             raise
@@ -167,7 +172,10 @@ class EpochSeedTagged(Sampler):
 
 def draws_nothing(dataset: Any) -> bool:
     """A dataset whose ``__getitem__`` is known to draw no random numbers (a ``TensorDataset``),
-    which is read as it is: seeding costs a few microseconds a sample."""
-    from torch.utils.data import TensorDataset
+    which is read as it is: seeding costs a few microseconds a sample. A ``Subset`` of one
+    (what ``random_split`` returns) draws nothing either."""
+    from torch.utils.data import Subset, TensorDataset
 
+    while type(dataset) is Subset:
+        dataset = dataset.dataset
     return type(dataset) is TensorDataset
