@@ -39,6 +39,7 @@ from accumix import fault, rng_state
 from accumix import run_dir as layout
 from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.errors import AccumixError, CheckpointError, ConfigError
+from accumix.plain_values import plain
 from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
@@ -146,7 +147,9 @@ def _reset_unstepped(optimizers: list[Optimizer], empty: list[bool]) -> None:
 
 def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
     """Every scheduler's state_dict, checked to load back with ``weights_only=True``."""
-    states = [s.state_dict() for s in acc._schedulers]
+    # base_lrs copied from a numpy learning rate are numpy scalars: stored as Python numbers.
+    states = [plain(s.state_dict(), f"LR scheduler {i}'s state_dict")
+              for i, s in enumerate(acc._schedulers)]
     buffer = io.BytesIO()
     for index, (sched, state) in enumerate(zip(acc._schedulers, states, strict=True)):
         buffer.seek(0)

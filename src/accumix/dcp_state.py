@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from accumix.checkpoint import CheckpointError
+from accumix.errors import CheckpointError
+from accumix.plain_values import plain
 
 
 def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer]) -> None:
@@ -44,7 +45,16 @@ def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
 
 
 def write(state: dict[str, Any], directory: str) -> None:
-    """``dcp.save`` of ``state`` (collective; without a process group, this process alone)."""
+    """``dcp.save`` of ``state`` (collective; without a process group, this process alone).
+
+    Numpy scalars (a learning rate computed with numpy) are written as Python numbers, which
+    a ``weights_only`` load reads back.
+
+    Raises:
+        ConfigError: a value a safe load could not rebuild, named, before anything is written
+            (every rank holds the same hyper-parameters: every rank raises).
+    """
+    state = plain(state, "the checkpoint's entry ")
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=directory, no_dist=not _distributed())
 
