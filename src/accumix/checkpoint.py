@@ -65,13 +65,15 @@ _STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "model
 
 
 # -- save ------------------------------------------------------------------------------------
-def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None
-               ) -> Path:
+def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None,
+               *, extra_state: dict[str, Any] | None = None) -> Path:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
     Collective. See ``Accelerator.save_state``.
     """
     _check_between_windows(acc, "save_state")
+    if extra_state is not None:
+        layout.check_extra_state(extra_state)
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
@@ -102,6 +104,8 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
 
     _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
     meta = _metadata(acc, empty)
+    if extra_state is not None:
+        meta["extra_state"] = extra_state
 
     def publish() -> None:
         layout.publish(run_dir, tmp, final, meta, keep_last)

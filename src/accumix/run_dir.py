@@ -135,6 +135,28 @@ def write_json(path: Path, obj: Any) -> None:
     write_text(path, text)
 
 
+def check_extra_state(extra_state: Any) -> None:
+    """Refuses ``save_state(extra_state=...)`` that ``meta.json`` cannot hold, before a save.
+
+    Raises:
+        ConfigError: not a dict, or not JSON (numbers, strings, lists, dicts, None).
+    """
+    from accumix.errors import ConfigError
+
+    try:
+        if not isinstance(extra_state, dict):
+            raise TypeError(f"a {type(extra_state).__name__}, not a dict")
+        json.dumps(extra_state, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"save_state(extra_state=...) is not JSON ({exc}); keep it to "
+                          "numbers, strings, lists and dicts") from None
+
+
+def extra_state(step_dir: Path) -> dict[str, Any]:
+    """What ``save_state(extra_state=...)`` stored in ``step_dir`` ({} if nothing)."""
+    return read_meta(step_dir).get("extra_state") or {}
+
+
 def manifest(directory: Path) -> dict[str, int]:
     """Every file under ``directory`` with its size, flushed to disk first."""
     files = sorted(p for p in directory.rglob("*") if p.is_file())

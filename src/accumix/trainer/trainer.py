@@ -12,12 +12,19 @@ The loop is backend-free. A *steps* object runs the training itself and calls
 ``Trainer(model=, optimizer=, train_loader=, ...)`` builds the torch steps;
 ``Trainer(steps=...)`` takes any other backend's (``accumix.jax.JaxSteps``). The steps object
 provides ``accelerator``, ``optimizer_steps``, ``epoch``, ``batches_per_epoch``,
-``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last)``,
-``load(path)`` and optionally ``close()`` (called when ``fit`` ends).
+``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last,
+extra_state)`` (``extra_state``: the loop's and callbacks' JSON state, kept in the checkpoint's
+``meta.json``), ``load(path)`` and optionally ``close()`` (called when ``fit`` ends).
+
+A checkpoint holds the loop's own state too: whether a callback stopped the run, the last
+losses, and every callback's ``state_dict()``. A finished run (``max_steps``, ``max_epochs`` or
+a callback's stop) that is run again loads it and does nothing more: ``fit`` reports the saved
+result.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accumix import run_dir as layout
 from accumix.errors import ConfigError
 from accumix.trainer.callbacks import LossGuard
 from accumix.trainer.events import Callback
@@ -162,6 +170,7 @@ class Trainer:
         self._saved_step = -1
         self._evaluated_step = -1
         self._warned_no_checkpoint = False
+        self._saved_result: dict[str, Any] = {}  # the loaded checkpoint's loss and epoch
         del acc
 
     # -- the backend's objects, for callbacks ----------------------------------------------------
@@ -244,15 +253,23 @@ class Trainer:
             if close is not None:
                 close()
         self.dispatch("on_fit_end")
-        last = self.last_metrics
-        return FitResult(step=self.step, epoch=self.epoch,
-                         loss=last.loss if last is not None else math.nan,
+        last, saved = self.last_metrics, self._saved_result
+        if last is None and saved:  # a finished run run again: what it reported then
+            loss, epoch = saved["loss"], saved["epoch"]
+        else:
+            loss, epoch = last.loss if last is not None else math.nan, self.epoch
+        return FitResult(step=self.step, epoch=epoch, loss=loss,
                          val_loss=self.last_val.get("val_loss"), resumed_from=self.resumed_from,
                          seconds=time.perf_counter() - started)
 
     def done(self) -> bool:
-        """The run has reached its end (max_steps, or a callback's ``should_stop``)."""
-        return self.should_stop or (self.max_steps is not None and self.step >= self.max_steps)
+        """The run has reached its end (max_steps, max_epochs, or a callback's
+        ``should_stop``)."""
+        # The loader's epoch passes max_epochs only in a checkpoint saved at the last epoch's
+        # end (its next epoch); during a run the loop below stops after the last epoch.
+        return self.should_stop or (self.max_steps is not None and self.step >= self.max_steps
+                                    ) or (self.max_epochs is not None
+                                          and self.steps.epoch >= self.max_epochs)
 
     def _train(self) -> None:
         empty_epochs = 0
@@ -310,7 +327,7 @@ class Trainer:
                 log.warning("checkpoints are off: no run_dir was given")
             self._warned_no_checkpoint = True
             return None
-        path = self.steps.save(self.run_dir, self.keep_checkpoints)
+        path = self.steps.save(self.run_dir, self.keep_checkpoints, self.state_dict())
         self._saved_step = self.step
         self.dispatch("on_save_checkpoint", path)
         return path
@@ -340,7 +357,59 @@ class Trainer:
         self._saved_step = self.step
         self.resumed_from = path
         self.epoch = self.steps.epoch
+        self.load_state_dict(layout.extra_state(layout.resolve(path)))
         if self.accelerator.is_main_process:
             log.info("resumed from %s at step %d", path, self.step)
         self.dispatch("on_load_checkpoint", path)
         return path
+
+    # -- the loop's state in the checkpoint ----------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's state and every callback's ``state_dict()`` (JSON), as saved with each
+        checkpoint.
+
+        Raises:
+            ConfigError: a callback's state is not JSON (named).
+        """
+        callbacks = {}
+        for key, callback in self._callback_keys():
+            state = callback.state_dict() if hasattr(callback, "state_dict") else {}
+            try:
+                json.dumps(state, allow_nan=True)
+                if not isinstance(state, dict):
+                    raise TypeError(f"a {type(state).__name__}, not a dict")
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"callback {key}'s state_dict() is not JSON ({exc}); return a "
+                                  "dict of numbers, strings, lists and dicts") from None
+            if state:
+                callbacks[key] = state
+        last = self.last_metrics
+        loss = last.loss if last is not None else self._saved_result.get("loss", math.nan)
+        return {"trainer": {"should_stop": self.should_stop, "loss": loss, "epoch": self.epoch,
+                            "val": self.last_val, "evaluated_step": self._evaluated_step},
+                "callbacks": callbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state_dict()``'s loop state and each callback's state (matched by class
+        name and order; a callback the checkpoint has no state for keeps its own)."""
+        own = state.get("trainer")
+        if own:
+            self.should_stop = bool(own["should_stop"])
+            self._saved_result = {"loss": own["loss"], "epoch": own["epoch"]}
+            self.last_val = dict(own["val"])
+            self._evaluated_step = own["evaluated_step"]
+        saved = state.get("callbacks", {})
+        for key, callback in self._callback_keys():
+            if key in saved and hasattr(callback, "load_state_dict"):
+                callback.load_state_dict(saved[key])
+
+    def _callback_keys(self) -> list[tuple[str, Callback]]:
+        """Each callback with a key that finds it again in a resumed run: its class name, and
+        ``#2``, ``#3`` ... for the second and later of one class."""
+        seen: dict[str, int] = {}
+        keys = []
+        for callback in self.callbacks:
+            name = type(callback).__name__
+            seen[name] = seen.get(name, 0) + 1
+            keys.append((name if seen[name] == 1 else f"{name}#{seen[name]}", callback))
+        return keys
