@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from accumix import fault
 from accumix.errors import CheckpointError
 from accumix.plain_values import plain
 
@@ -56,7 +57,7 @@ def write(state: dict[str, Any], directory: str) -> None:
     """
     state = plain(state, "the checkpoint's entry ")
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=directory, no_dist=not _distributed())
+        dcp.save(state, storage_writer=_ProgressWriter(directory), no_dist=not _distributed())
 
 
 def read(state: dict[str, Any], reader: SafeReader) -> None:
@@ -185,6 +186,18 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*assuming the intent is to")
         yield
+
+
+class _ProgressWriter(FileSystemWriter):
+    """DCP's file writer that tells the watchdog when this rank's files are written: a rank
+    whose disk stalls is then named as the one the others wait for (they are all inside the
+    same ``save_state`` phase otherwise)."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        written.wait()  # the file system writer writes before it returns; a no-op wait
+        fault.advance("acc.save_state, its files written, waiting for the other ranks' writes")
+        return written
 
 
 class _SafePlanner(DefaultLoadPlanner):
