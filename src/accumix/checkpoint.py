@@ -73,7 +73,7 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
     """
     _check_between_windows(acc, "save_state")
     if extra_state is not None:
-        layout.check_extra_state(extra_state)
+        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -270,7 +271,7 @@ class Counting(Callback):
         self.seen += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seen": self.seen}
+        return {"seen": np.int64(self.seen)}  # a numpy number is stored as the int it equals
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seen = state["seen"]

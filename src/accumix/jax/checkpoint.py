@@ -52,7 +52,7 @@ def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int |
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
     if extra_state is not None:
-        layout.check_extra_state(extra_state)
+        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
     run_dir = run_dir.absolute()
     step = int(jax.device_get(state.step))
     final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"

@@ -24,7 +24,6 @@ result.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -374,13 +373,7 @@ class Trainer:
         callbacks = {}
         for key, callback in self._callback_keys():
             state = callback.state_dict() if hasattr(callback, "state_dict") else {}
-            try:
-                json.dumps(state, allow_nan=True)
-                if not isinstance(state, dict):
-                    raise TypeError(f"a {type(state).__name__}, not a dict")
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"callback {key}'s state_dict() is not JSON ({exc}); return a "
-                                  "dict of numbers, strings, lists and dicts") from None
+            state = layout.json_state(state, f"callback {key}'s state_dict()")
             if state:
                 callbacks[key] = state
         last = self.last_metrics
