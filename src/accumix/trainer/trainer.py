@@ -50,7 +50,8 @@ class FitResult:
     Attributes:
         step: real optimizer steps at the end (including those before a resume).
         epoch: the epoch the run ended in.
-        loss: the last window loss (NaN if no step ran).
+        loss: the last window loss (a finished run run again: the saved one; NaN if no step
+            ever ran).
         val_loss: the last validation loss, or None.
         resumed_from: the checkpoint the run resumed from, or None.
         seconds: wall time of ``fit``.
