@@ -42,6 +42,13 @@ _TRAINER = (
     "load_config", "scale_lr", "warmup_schedule",
 )
 _LAZY.update(dict.fromkeys(_TRAINER, "accumix.trainer"))
+# Experiment trackers (optional extras): their libraries load only when a run opens.
+_TRACKERS = {
+    "ClearMLLogger": "accumix.trainer.trackers.clearml_logger",
+    "MLflowLogger": "accumix.trainer.trackers.mlflow_logger",
+    "WandbLogger": "accumix.trainer.trackers.wandb_logger",
+}
+_LAZY.update(_TRACKERS)
 
 __all__ = [
     "AccumixError",
@@ -61,6 +68,7 @@ __all__ = [
     "ZeRO1Strategy",
     "__version__",
     *_TRAINER,
+    *_TRACKERS,
 ]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,19 @@ from accumix import boundary, checkpoint, fault
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.batch_sizes import batch_geometry
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
-from accumix.data import AcceleratedDataLoader
+from accumix.data import AcceleratedDataLoader, with_batch_size
 from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
 from accumix.errors import AccumixError, ConfigError
 from accumix.logging_setup import configure_logging
+from accumix.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    MicroBatchChoice,
+    check_micro_batch_word,
+    is_auto,
+    parse_memory_limit,
+)
 from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
+from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.strategies import Strategy, resolve_strategy
 from accumix.strategies.base import params_of
@@ -91,7 +100,11 @@ class Accelerator:
         grad_accum_steps: micro-steps per optimizer step (int >= 1); None derives it from the
             two batch sizes, else 1.
         global_batch_size: samples per optimizer step over all data-parallel ranks.
-        micro_batch_size: samples per forward on one rank (default: the set-up loader's).
+        micro_batch_size: samples per forward on one rank (default: the set-up loader's);
+            ``"auto"``: the largest that fits, chosen by ``find_micro_batch_size``.
+        memory_limit: what ``"auto"`` may use per device: bytes, or a percentage such as
+            ``"90%"`` of the device's memory (on CPU: this process's share of the host's);
+            None: the whole device.
         loss_scale: a ``DynamicLossScale`` for fp16; None uses its defaults.
         seed: seeds python, numpy and torch identically on every rank.
         timeout: seconds a collective may wait before every rank stops with an error.
@@ -110,7 +123,8 @@ class Accelerator:
         precision: str | Policy = "auto",
         grad_accum_steps: int | None = None,
         global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | None = None,
+        memory_limit: int | str | None = None,
         loss_scale: DynamicLossScale | None = None,
         seed: int | None = None,
         timeout: float = 600.0,
@@ -142,8 +156,11 @@ class Accelerator:
         self.strategy.connect(
             launch=self.launch, device=self.device, policy=self.policy, scaler=scaler
         )
+        check_micro_batch_word(micro_batch_size, global_batch_size)
+        self._memory_limit = parse_memory_limit(memory_limit, device_total=device_total_bytes(
+            self.device, local_world_size=self.launch.local_world_size))
         self._batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
-        steps = self._derive_steps(micro_batch_size)
+        steps = self._derive_steps(None if is_auto(micro_batch_size) else micro_batch_size)
         self._window = AccumulationWindow(steps or 1)
         self._steps_known = steps is not None
         self._steps_assigned = False
@@ -164,6 +181,7 @@ class Accelerator:
         self._window_found_inf: bool | None = None  # this window's overflow, once decided
         self.optimizer_steps = 0
         self.step_was_skipped = False
+        self._micro_batch_choice: MicroBatchChoice | None = None
         self._check_same_config()
 
     # -- read-only state ---------------------------------------------------------------------
@@ -252,6 +270,7 @@ class Accelerator:
                 self._choose_auto_strategy(model, owned)
             micro = self._batch_sizes[2] or next(
                 (w.loader.batch_size for w in self._loaders if w.loader.batch_size), None)
+            micro = None if is_auto(micro) else micro
             self.strategy.set_batch_geometry(micro_batch_size=micro,
                                              grad_accum_steps=self.grad_accum_steps)
             wrapped, opts = self.strategy.setup(model, owned)
@@ -275,6 +294,39 @@ class Accelerator:
         self._set_up.update(id(o) for o in objects)
         out = tuple(result[id(o)] for o in objects)
         return out[0] if len(out) == 1 else out
+
+    def find_micro_batch_size(self, step: Callable[[Any], Any], make_batch: Callable[[int], Any],
+                              *, headroom: float = DEFAULT_HEADROOM,
+                              run_dir: str | os.PathLike[str] | None = None) -> int:
+        """Chooses ``micro_batch_size="auto"``: the largest micro-batch that divides
+        ``global_batch_size / data-parallel world`` and fits on every rank; K follows.
+
+        Call it after setting up the model(s) and optimizer(s), before setting up the
+        DataLoader (which is then re-batched to the chosen size). Collective. Probing changes
+        no state: the run is bit-identical to one given the chosen size (``micro_batch_probe``).
+
+        Args:
+            step: ``step(batch) -> loss`` (or ``(loss_sum, num_items)``): the forward and loss
+                of a micro-step on the set-up model; accumix runs the backward.
+            make_batch: ``make_batch(n)``: a batch of n rows, the longest the data can give.
+            headroom: the fraction of the memory limit left free.
+            run_dir: where the choice is cached (an elastic restart on another world re-probes).
+
+        Returns:
+            The chosen micro-batch size.
+
+        Raises:
+            ConfigError: ``micro_batch_size`` is not ``"auto"``, nothing was set up, or not even
+                a micro-batch of 1 fits.
+        """
+        from accumix.micro_batch_probe import find_micro_batch_size
+
+        return find_micro_batch_size(self, step, make_batch, headroom=headroom, run_dir=run_dir)
+
+    @property
+    def micro_batch_choice(self) -> MicroBatchChoice | None:
+        """What ``micro_batch_size="auto"`` chose and why (None before, or without auto)."""
+        return self._micro_batch_choice
 
     def _choose_auto_strategy(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
         """Swaps the provisional ddp for the memory model's choice, before anything is set up."""
@@ -309,6 +361,12 @@ class Accelerator:
 
     def _wrap_loader(self, loader: DataLoader) -> AcceleratedDataLoader:
         _, global_batch, micro = self._batch_sizes
+        if is_auto(micro):
+            raise ConfigError("micro_batch_size='auto' is not chosen yet: set up the model and "
+                              "optimizer, call acc.find_micro_batch_size(step, make_batch), "
+                              "then set up the DataLoader")
+        if self._micro_batch_choice is not None:
+            loader = with_batch_size(loader, micro)  # the chosen size, whatever it was given
         if micro is not None and loader.batch_size not in (None, micro):
             raise ConfigError(
                 f"DataLoader batch_size={loader.batch_size} differs from micro_batch_size="
@@ -368,6 +426,9 @@ class Accelerator:
     def _begin_micro_step(self) -> None:
         if self._in_micro_step:
             raise AccumixError("acc.accumulate() was entered twice; micro-steps do not nest")
+        if is_auto(self._batch_sizes[2]):
+            raise ConfigError("micro_batch_size='auto' is not chosen yet; call "
+                              "acc.find_micro_batch_size(step, make_batch) before the loop")
         if not self._steps_known:
             raise ConfigError(
                 "global_batch_size was given without micro_batch_size and no DataLoader was "

@@ -66,11 +66,34 @@ def _rebuild(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
     if not draws_nothing(dataset):
         dataset, indices = SeededDataset(dataset), EpochSeedTagged(sampler)
         collate = SeededCollate(collate)
+    return DataLoader(dataset, **_loader_kwargs(loader, sampler=indices, collate_fn=collate,
+                                                batch_size=loader.batch_size))
+
+
+def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
+    """The user's loader with another batch size: the same dataset, sampler (so shuffle and its
+    generator), collate_fn, workers and every other setting (``micro_batch_size="auto"``).
+
+    Raises:
+        ConfigError: a loader with a custom batch_sampler, which has no batch size to change.
+    """
+    if loader.batch_size is None:
+        raise ConfigError(f"micro_batch_size='auto' re-batches the DataLoader but it has a "
+                          f"custom batch_sampler ({type(loader.batch_sampler).__name__}); pass "
+                          "batch_size= and shuffle= instead")
+    if loader.batch_size == batch_size:
+        return loader
+    return DataLoader(loader.dataset, **_loader_kwargs(
+        loader, sampler=loader.sampler, collate_fn=loader.collate_fn, batch_size=batch_size))
+
+
+def _loader_kwargs(loader: DataLoader, *, sampler: Any, collate_fn: Any, batch_size: int | None
+                   ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size,
-        "sampler": indices,
+        "batch_size": batch_size,
+        "sampler": sampler,
         "num_workers": loader.num_workers,
-        "collate_fn": collate,
+        "collate_fn": collate_fn,
         "pin_memory": loader.pin_memory,
         "drop_last": loader.drop_last,
         "timeout": loader.timeout,
@@ -82,7 +105,7 @@ def _rebuild(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
-    return DataLoader(dataset, **kwargs)
+    return kwargs
 
 
 class AcceleratedDataLoader:

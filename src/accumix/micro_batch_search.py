@@ -12,6 +12,7 @@ so K is an integer and the global batch stays exactly what the user gave.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,7 +93,8 @@ def parse_memory_limit(memory_limit: int | float | str | None, *,
             raise ConfigError(f"memory_limit={memory_limit!r} is a share of a total this device "
                               "does not report; give bytes instead")
         return int(device_total * percent / 100)
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) \
+    # numbers.Real: a numpy integer or float (from a config computed with numpy) is a number.
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real) \
             or memory_limit <= 0 or memory_limit != int(memory_limit):
         raise ConfigError(f"memory_limit={memory_limit!r} is invalid; use bytes (an integer > 0) "
                           "or a percentage such as '90%'")

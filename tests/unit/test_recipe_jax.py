@@ -179,4 +179,6 @@ def test_sigterm_saves_at_the_next_read_and_exits_0(tmp_path, capsys) -> None:
     finally:
         mp.undo()
     assert exit_info.value.code == 0
-    assert (tmp_path / "latest").read_text().strip() == "step-3"
+    # Set while step 3's row was handed out, the flag is agreed at the next read (step 4): a
+    # read's one gather comes before its rows, which carry every process's system metrics.
+    assert (tmp_path / "latest").read_text().strip() == "step-4"

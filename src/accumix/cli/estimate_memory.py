@@ -87,6 +87,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--world-size={world} is invalid; use an integer >= 1")
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
+    micro = config.micro_batch_size
+    if micro == "auto" and args.params is None:
+        micro = _probe_recipe(config)  # the choice accumix train makes here, without training
     model_or_count: torch.nn.Module | int
     if args.params is not None:
         model_or_count = _parse_count(args.params)
@@ -99,12 +102,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         rough = 12 * shape.n_layer * shape.n_embd**2
         with torch.device("meta" if rough > 200_000_000 else "cpu"):
             model_or_count = GPT(config.model)
-        activations = activation_bytes(seq=shape.block_size, micro_batch=config.micro_batch_size,
+        assert isinstance(micro, int)
+        activations = activation_bytes(seq=shape.block_size, micro_batch=micro,
                                        width=shape.n_embd, heads=shape.n_head,
                                        layers=shape.n_layer, precision=precision)
         count = sum(p.numel() for p in model_or_count.parameters())
         label = (f"the recipe's GPT ({count:,} parameters, micro batch "
-                 f"{config.micro_batch_size} x {shape.block_size} tokens)")
+                 f"{micro} x {shape.block_size} tokens)")
     device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
                     else device_free_bytes(device, local_world_size=world))
     estimates = estimate_memory(model_or_count, world_size=world, precision=precision,
@@ -115,3 +119,25 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(format_table(estimates))
     print(f"auto: {choice.reason}")
     return 0
+
+
+def _probe_recipe(config: object) -> int:
+    """``micro_batch_size=auto``: probes the recipe's model on this process's device as the
+    training run does (one process here; collective under ``accumix launch``), logging the same
+    line, and writes nothing to the run directory."""
+    import accumix as ax
+    from accumix.recipes import default
+    from accumix.recipes.gpt import GPT
+
+    assert isinstance(config, default.TrainConfig)
+    acc = ax.Accelerator(strategy=config.strategy, precision=config.precision,
+                         global_batch_size=config.global_batch_size, micro_batch_size="auto",
+                         memory_limit=config.memory_limit, seed=config.seed)
+    model = GPT(config.model)
+    _, _, micro = default.choose_micro_batch(acc, config, model,
+                                             default.new_optimizer(config, model), cache=False)
+    choice = acc.micro_batch_choice
+    assert choice is not None
+    print(choice.describe())  # the command's output (the log line goes to stderr)
+    acc.end()
+    return micro

@@ -77,8 +77,10 @@ def run_train(args: argparse.Namespace) -> int:
         return run(config)
     plan = plan_launch(nproc=config.nproc)
     # Checked here so a batch that does not divide is one line, not a failure on every rank.
+    micro = config.micro_batch_size
     derive_grad_accum_steps(grad_accum_steps=None, global_batch_size=config.global_batch_size,
-                            micro_batch_size=config.micro_batch_size, dp_world_size=plan.nproc)
+                            micro_batch_size=None if micro == "auto" else micro,
+                            dp_world_size=plan.nproc)
     if plan.nproc == 1:
         return run(config)
     return run_torchrun(plan, "accumix.cli.main", ["train", *args.items], module=True)

@@ -31,6 +31,7 @@ from accumix.jax.data import WindowLoader, to_numpy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, is_item_mode
 from accumix.trainer.metrics import StepMetrics, peak_memory_mb
+from accumix.trainer.system_metrics import SystemSampler, system_columns
 
 if TYPE_CHECKING:
     from accumix.trainer.trainer import Trainer
@@ -54,6 +55,8 @@ class JaxSteps:
         preemption_signals: signals that mean "save at the next read and exit 0".
     """
 
+    backend = "jax"
+
     def __init__(self, *, accelerator: Accelerator, state: TrainState,
                  train_windows: WindowLoader, loss_fn: LossFn, val_loader: Any = None,
                  val_loss_fn: LossFn | None = None, lr: Callable[[int], float] | None = None,
@@ -71,6 +74,7 @@ class JaxSteps:
         self._eval_fn: Any = None
         self._host_step = 0  # optimizer steps as last read from the device
         self._signalled = False
+        self._system: SystemSampler | None = None
         self._old_handlers = {sig: signal.signal(sig, self._on_signal)
                               for sig in preemption_signals}
 
@@ -100,11 +104,18 @@ class JaxSteps:
     def grad_accum_steps(self) -> int:
         return self.accelerator.grad_accum_steps
 
+    @property
+    def micro_batch_size(self) -> int | None:
+        return self.train_loader.loader.batch_size
+
     # -- the epoch ------------------------------------------------------------------------------
     def run_epoch(self, trainer: Trainer) -> bool:
         """One pass over the windows; ``trainer.end_window`` for every step, in bursts."""
         if self._step_fn is None:
             self._step_fn = self.accelerator.train_step(self.loss_fn, clip_norm=trainer.grad_clip)
+            every = trainer.system_metrics_every
+            self._system = SystemSampler(every, device_memory=_device_memory_mb) \
+                if every is not None else None
         pending: list[tuple[dict[str, jax.Array], int]] = []
         started = time.perf_counter()
         got_window = False
@@ -117,17 +128,21 @@ class JaxSteps:
             pending.append((metrics, self.train_loader.last_samples))
             due = self._host_step + len(pending)  # exact unless an fp16 window was skipped
             if len(pending) >= self.read_every or _due(trainer, due):
-                started = self._flush(trainer, pending, started)
+                signalled, system = self._agree(len(pending), started)
+                started = self._flush(trainer, pending, started, system)
                 pending = []
-                if trainer.done() or self._preempt(trainer):
+                if trainer.done():
                     return True
+                if signalled:
+                    self._save_and_exit(trainer)
         if pending:
             self._flush(trainer, pending, started)
         return got_window
 
     def _flush(self, trainer: Trainer, pending: list[tuple[dict[str, jax.Array], int]],
-               started: float) -> float:
-        """Reads the buffered metrics (one transfer) and hands each step to the loop."""
+               started: float, system: dict[str, float] | None = None) -> float:
+        """Reads the buffered metrics (one transfer) and hands each step to the loop; the
+        read's system metrics (``system/rank<r>/...``) go into the last step's row."""
         values = jax.device_get([m for m, _ in pending])
         elapsed = time.perf_counter() - started
         per_step = elapsed / len(pending)
@@ -145,20 +160,30 @@ class JaxSteps:
                 samples=samples * processes,
                 items=int(m["num_items"]) if self._item_mode else None,
                 step_time_s=per_step, rank_busy_s=[per_step], max_mem_mb=memory)
+            if system and m is values[-1]:
+                metrics.extra.update(system)
             trainer.end_window(metrics)
         if self.accelerator.scaler.enabled:
             self.accelerator.check(self.state)
         return time.perf_counter()
 
-    def _preempt(self, trainer: Trainer) -> bool:
-        """Whether any process was signalled: then save here and exit 0 (every process)."""
-        flag = np.asarray([self._signalled], np.int32)
+    def _agree(self, count: int, started: float) -> tuple[bool, dict[str, float]]:
+        """The one host gather of a read: whether any process was signalled, and every
+        process's system metrics when a step of this read is due for them."""
+        first = self._host_step + 1
+        sampled = self._system is not None and any(
+            self._system.due(step) for step in range(first, first + count))
+        system = (self._system.sample((time.perf_counter() - started) / count) if sampled
+                  else self._system.empty()) if self._system is not None else []
+        rows = np.asarray([[float(self._signalled), *system]], np.float64)
         if self.accelerator.world_size > 1:
             from jax.experimental import multihost_utils
 
-            flag = np.asarray(multihost_utils.process_allgather(flag))
-        if not flag.any():
-            return False
+            rows = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, rows.shape[1])
+        return bool(rows[:, 0].any()), system_columns(rows[:, 1:].tolist()) if sampled else {}
+
+    def _save_and_exit(self, trainer: Trainer) -> None:
+        """Some process was signalled: save here and exit 0 (every process)."""
         path = trainer.save_checkpoint()
         if self.accelerator.is_main_process:
             log.info("pre-empted: saved %s at step %d; exiting", path, self._host_step)
@@ -207,6 +232,14 @@ def _due(trainer: Trainer, step: int) -> bool:
     return any(every and step % every == 0 for every in (
         trainer.eval_every, trainer.checkpoint_every)) or (
         trainer.max_steps is not None and step >= trainer.max_steps)
+
+
+def _device_memory_mb() -> tuple[float, float] | None:
+    """The first local device's bytes in use and peak, in MiB (None where JAX has no stats)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_in_use" not in stats:
+        return None
+    return stats["bytes_in_use"] / 2**20, stats.get("peak_bytes_in_use", math.nan) / 2**20
 
 
 def _peak_memory_mb() -> float:

@@ -126,7 +126,10 @@ class TrainConfig:
         compile: ``torch.compile`` the model (inductor) after the strategy wrapped it
             (``Accelerator(compile=True)``); the JAX backend always jits and ignores it.
         global_batch_size: documents per optimizer step over all ranks (fixed whatever nproc).
-        micro_batch_size: documents per forward on one rank.
+        micro_batch_size: documents per forward on one rank, or ``auto``: the largest that
+            fits (probed with ``block_size``-token documents, the longest the data gives).
+        memory_limit: what ``micro_batch_size=auto`` may use per device: bytes or a
+            percentage such as ``"90%"``; null: the whole device.
         max_steps: optimizer steps to train (None: ``max_epochs`` decides).
         max_epochs: epochs to train (None: ``max_steps`` decides).
         eval_every: evaluate every N steps (and at the end); None: only at the end.
@@ -135,6 +138,10 @@ class TrainConfig:
         grad_clip: the max gradient norm (None: no clipping).
         progress_bar: show the progress bar.
         plot: write ``metrics.png`` at the end.
+        loggers: metric loggers: ``csv``, ``jsonl``, ``tensorboard``, ``mlflow``, ``wandb``,
+            ``clearml`` (null: csv, jsonl and tensorboard when installed).
+        log_model: trackers upload the final ``model.safetensors``.
+        system_metrics_every: every rank's system metrics every N steps (null: off).
         model: the GPT's shape.
         data: the text.
         optimizer: AdamW and the LR schedule.
@@ -151,7 +158,8 @@ class TrainConfig:
     precision: str = "auto"
     compile: bool = False
     global_batch_size: int = 32
-    micro_batch_size: int = 8
+    micro_batch_size: int | Literal["auto"] = 8
+    memory_limit: int | str | None = None
     max_steps: int | None = 120
     max_epochs: int | None = None
     eval_every: int | None = 40
@@ -160,6 +168,9 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     progress_bar: bool = True
     plot: bool = True
+    loggers: tuple[str, ...] | None = None
+    log_model: bool = False
+    system_metrics_every: int | None = 10
     model: GPTConfig = field(default_factory=lambda: GPTConfig(
         block_size=128, n_layer=4, n_head=4, n_embd=256))
     data: DataConfig = field(default_factory=DataConfig)
@@ -183,7 +194,7 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r} is invalid; use one of "
                               f"{', '.join(PRECISION_WORDS)}")
         for name in ("nproc", "global_batch_size", "micro_batch_size", "max_steps",
-                     "max_epochs", "eval_every", "checkpoint_every"):
+                     "max_epochs", "eval_every", "checkpoint_every", "system_metrics_every"):
             value = getattr(self, name)
             if isinstance(value, int) and value < 1:
                 raise ConfigError(f"{name}={value} is invalid; use an integer >= 1")
@@ -191,6 +202,12 @@ class TrainConfig:
             raise ConfigError("max_steps and max_epochs are both null; give one of them")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"grad_clip={self.grad_clip} is invalid; use a number > 0 or null")
+        from accumix.trainer.loggers import LOGGER_WORDS
+
+        unknown = [w for w in self.loggers or () if w not in LOGGER_WORDS]
+        if unknown:
+            raise ConfigError(f"loggers: unknown logger {unknown[0]!r}; use "
+                              f"{', '.join(LOGGER_WORDS)}")
         if not 0 < self.data.val_fraction < 1:
             raise ConfigError(f"data.val_fraction={self.data.val_fraction} is invalid; use a "
                               "number in (0, 1)")
@@ -233,10 +250,12 @@ def datasets(config: TrainConfig) -> tuple[list[Path], list[Path], ByteDocumentD
     return train_files, val_files, train, val
 
 
-def total_steps(config: TrainConfig, documents: int, world_size: int, grad_accum_steps: int
-                ) -> int:
+def total_steps(config: TrainConfig, documents: int, world_size: int, grad_accum_steps: int,
+                micro_batch_size: int | None = None) -> int:
     """The step the schedule decays to: ``max_steps``, or ``max_epochs`` worth of windows."""
-    per_rank_batches = math.ceil(math.ceil(documents / world_size) / config.micro_batch_size)
+    micro = micro_batch_size or config.micro_batch_size
+    assert isinstance(micro, int)
+    per_rank_batches = math.ceil(math.ceil(documents / world_size) / micro)
     steps_per_epoch = math.ceil(per_rank_batches / grad_accum_steps)
     return min(s for s in (config.max_steps, config.max_epochs and
                            config.max_epochs * steps_per_epoch) if s)
@@ -255,6 +274,32 @@ def gpt_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     return model(batch["input_ids"], labels=batch["labels"])
 
 
+def choose_micro_batch(acc: Any, config: TrainConfig, model: GPT, optimizer: Any, *,
+                       cache: bool = True) -> tuple[Any, Any, int]:
+    """``micro_batch_size=auto``: sets up the model and optimizer and probes them with
+    ``block_size``-token documents (the longest the data gives); the choice is cached in the run
+    directory when ``cache``. Returns the set-up model, optimizer and the chosen micro batch."""
+    trained, stepped = acc.setup(model, optimizer)
+    worst = [torch.zeros(config.model.block_size + 1, dtype=torch.int64)]  # a full block
+    micro = acc.find_micro_batch_size(lambda batch: gpt_step(trained, batch),
+                                      lambda n: pad_collate(worst * n),
+                                      run_dir=config.run_dir if cache else None)
+    return trained, stepped, micro
+
+
+def new_optimizer(config: TrainConfig, model: GPT) -> torch.optim.Optimizer:
+    """The recipe's AdamW (learning rate scaled to the global batch when asked)."""
+    opt_cfg = config.optimizer
+    lr = opt_cfg.lr
+    if opt_cfg.base_batch_size is not None:
+        from accumix.trainer import scale_lr
+
+        lr = scale_lr(lr, global_batch_size=config.global_batch_size,
+                      base_batch_size=opt_cfg.base_batch_size, rule=opt_cfg.scale_rule)
+    return torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=lr,
+                             betas=opt_cfg.betas)
+
+
 def run(config: TrainConfig) -> int:
     """Trains the recipe on the processes this one was launched with (collective).
 
@@ -265,38 +310,41 @@ def run(config: TrainConfig) -> int:
         ConfigError: settings that cannot work here (batch sizes that do not divide, ...).
     """
     import accumix as ax
-    from accumix.trainer import ThroughputMonitor, Trainer, scale_lr, warmup_schedule
+    from accumix.recipes.tracking import SaveModelAtEnd, tracking_options
+    from accumix.trainer import ThroughputMonitor, Trainer, warmup_schedule
 
     started = time.perf_counter()
     acc = ax.Accelerator(strategy=config.strategy, precision=config.precision,
                          global_batch_size=config.global_batch_size,
                          micro_batch_size=config.micro_batch_size, seed=config.seed,
+                         memory_limit=config.memory_limit,
                          compile=True if config.compile else None)
     train_files, val_files, train, val = datasets(config)
     model = GPT(config.model)
     if config.init_from is not None:
         load_weights(model, config.init_from)
     opt_cfg = config.optimizer
-    lr = opt_cfg.lr
-    if opt_cfg.base_batch_size is not None:
-        lr = scale_lr(lr, global_batch_size=config.global_batch_size,
-                      base_batch_size=opt_cfg.base_batch_size, rule=opt_cfg.scale_rule)
-    optimizer = torch.optim.AdamW(_param_groups(model, opt_cfg.weight_decay), lr=lr,
-                                  betas=opt_cfg.betas)
-    loader = DataLoader(train, batch_size=config.micro_batch_size, shuffle=True,
-                        collate_fn=pad_collate)
-    total = total_steps(config, len(train), acc.world_size, acc.grad_accum_steps)
+    optimizer = new_optimizer(config, model)
+    micro, trained, stepped = config.micro_batch_size, model, optimizer
+    if micro == "auto":  # probed now: the loader, the schedule and the Trainer get the choice
+        trained, stepped, micro = choose_micro_batch(acc, config, model, optimizer)
+    loader = DataLoader(train, batch_size=micro, shuffle=True, collate_fn=pad_collate)
+    total = total_steps(config, len(train), acc.world_size, acc.grad_accum_steps, micro)
     scheduler = warmup_schedule(optimizer, warmup_steps=min(opt_cfg.warmup_steps, total),
                                 total_steps=total, decay=opt_cfg.decay,
                                 min_ratio=opt_cfg.min_lr_ratio)
+    if stepped is not optimizer:  # set up already: the Trainer takes set-up objects only
+        loader, scheduler = acc.setup(loader, scheduler)
     trainer = Trainer(
-        model=model, optimizer=optimizer, train_loader=loader, scheduler=scheduler,
-        val_loader=DataLoader(val, batch_size=config.micro_batch_size, collate_fn=pad_collate),
+        model=trained, optimizer=stepped, train_loader=loader, scheduler=scheduler,
+        val_loader=DataLoader(val, batch_size=micro, collate_fn=pad_collate),
         accelerator=acc, step_fn=gpt_step, max_steps=config.max_steps,
         max_epochs=config.max_epochs, eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every, run_dir=config.run_dir, resume=config.resume,
         grad_clip=config.grad_clip, progress_bar=config.progress_bar,
-        callbacks=[ThroughputMonitor(flops_per_item=model.flops_per_token())],
+        callbacks=[ThroughputMonitor(flops_per_item=model.flops_per_token()),
+                   SaveModelAtEnd(lambda: acc.save_model(config.run_dir))],
+        **tracking_options(config),
     )
     acc.print(
         f"accumix train: {model.num_parameters() / 1e6:.1f}M-parameter GPT on "
@@ -304,11 +352,10 @@ def run(config: TrainConfig) -> int:
         f"{len(train)} documents; {len(val_files)} files held out)\n"
         f"  {acc.world_size} process(es), strategy {acc.strategy.name}, precision "
         f"{acc.policy.name}, global batch {config.global_batch_size} = micro batch "
-        f"{config.micro_batch_size} x {acc.world_size} rank(s) x K={acc.grad_accum_steps}; "
+        f"{micro} x {acc.world_size} rank(s) x K={acc.grad_accum_steps}; "
         f"run directory {config.run_dir}", flush=True)
-    result = trainer.fit()
+    result = trainer.fit()  # SaveModelAtEnd wrote the weights both backends load (init_from=)
     unwrapped = acc.unwrap(trainer.model)
-    acc.save_model(config.run_dir)  # the weights both backends load: init_from=<this file>
     report(acc, config, result, num_val=len(val), started=started)
     if config.sample.max_new_tokens > 0:
         # Every rank generates the same text: a sharded model's forward is collective.

@@ -34,6 +34,7 @@ from accumix.recipes.text_data import (
     encode,
     pad_collate,
 )
+from accumix.recipes.tracking import SaveModelAtEnd, tracking_options
 
 
 def padded_collate(batch: list[torch.Tensor], *, length: int, rows: int) -> dict[str, Any]:
@@ -134,7 +135,10 @@ def run(config: TrainConfig) -> int:
         eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
         run_dir=config.run_dir, resume=config.resume, grad_clip=config.grad_clip,
         progress_bar=config.progress_bar,
-        callbacks=[ThroughputMonitor(flops_per_item=gpt_jax.flops_per_token(model_cfg))],
+        callbacks=[ThroughputMonitor(flops_per_item=gpt_jax.flops_per_token(model_cfg)),
+                   SaveModelAtEnd(lambda: save_weights(acc, steps.state, config.run_dir,
+                                                       model_cfg))],
+        **tracking_options(config),
     )
     num_params = gpt_jax.num_parameters(model_cfg)
     acc.print(
@@ -146,8 +150,7 @@ def run(config: TrainConfig) -> int:
         f"{config.global_batch_size} = micro batch {config.micro_batch_size} x "
         f"{acc.world_size} process(es) x K={acc.grad_accum_steps}; run directory "
         f"{config.run_dir}", flush=True)
-    result = trainer.fit()
-    save_weights(acc, steps.state, config.run_dir, model_cfg)
+    result = trainer.fit()  # SaveModelAtEnd wrote model.safetensors
     report(acc, config, result, num_val=len(val), started=started)
     if config.sample.max_new_tokens > 0:
         text = generate(steps.state.params, model_cfg, config.sample, seed=config.seed)

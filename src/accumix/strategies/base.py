@@ -133,6 +133,23 @@ class Strategy:
         """Backward of an already multiplied (scaled, divided) loss."""
         loss.backward()
 
+    def probe_units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules whose forward or backward may communicate: ``micro_batch_size="auto"``
+        agrees across ranks before each (``micro_batch_probe``), so a rank that runs out of
+        memory never leaves another inside a collective. Default: the set-up model itself."""
+        return [model]
+
+    def state_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer that holds this rank's states, stepped without communicating (what
+        ``micro_batch_size="auto"`` copies to measure them): the stepped one itself here."""
+        return optimizer
+
+    def clear_gradients(self, model: nn.Module) -> None:
+        """Drops every gradient a backward without gradient communication left on ``model``
+        (the probe's): afterwards the next backward starts from nothing."""
+        for param in model.parameters():
+            param.grad = None
+
     def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
         return [p.grad for p in params if p.grad is not None]

@@ -273,6 +273,13 @@ class DeepSpeedStrategy(Strategy):
         engine.backward(loss, scale_wrt_gas=False)
         self._stepped.discard(id(engine))
 
+    def probe_units(self, model: nn.Module) -> list[nn.Module]:
+        """Refused: ZeRO reduces inside its backward's epilogue (no point to agree before it)
+        and keeps the window's gradients in its own partitions, which a probe cannot drop."""
+        raise ConfigError("micro_batch_size='auto' does not probe strategy='deepspeed'; give "
+                          "micro_batch_size=N (accumix estimate-memory helps), or use "
+                          "strategy='fsdp', which it probes")
+
     def local_grads(self, params: Any = None) -> list[torch.Tensor]:
         """The gradient partitions this rank's engine holds after the window's last backward."""
         return [g for engine in self._engines for g in partition_grads(engine.optimizer)]

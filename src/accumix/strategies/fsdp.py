@@ -187,6 +187,27 @@ class FSDPStrategy(Strategy):
             return contextlib.nullcontext()
         return _gradient_sync_off(units)
 
+    def probe_units(self, model: nn.Module) -> list[nn.Module]:
+        """Every FSDP unit: each all-gathers before its forward and its backward."""
+        return [m for m in model.modules() if isinstance(m, FSDPModule)] or [model]
+
+    def clear_gradients(self, model: nn.Module) -> None:
+        """Also the unsharded gradients FSDP2 keeps off the boundary (on its unsharded
+        parameters, or upcast beside them), which a later boundary would reduce; and FSDP2's
+        per-iteration state after a probe an error stopped mid-forward or mid-backward
+        (``reset_iter_state``: reshards, forgets the forward order; no collective)."""
+        super().clear_gradients(model)
+        for unit in self.probe_units(model):
+            if not isinstance(unit, FSDPModule):
+                continue
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    fp.unsharded_accumulated_grad = None
+                    if hasattr(fp, "_unsharded_param"):
+                        fp._unsharded_param.grad = None
+        if isinstance(model, FSDPModule):
+            model.reset_iter_state()
+
     def grad_marks(self, params: list[nn.Parameter]) -> list[Any]:
         # Off the boundary FSDP2 accumulates into the *unsharded* parameters' gradients (or an
         # upcast copy of them), and the sharded ones the optimizer holds change only at the

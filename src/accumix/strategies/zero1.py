@@ -62,6 +62,10 @@ class ZeRO1Strategy(DDPStrategy):
             optimizers = [self._shard(opt) for opt in optimizers]
         return model, optimizers
 
+    def state_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """This rank's partition's local optimizer (its step broadcasts nothing)."""
+        return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
     def setup_late_optimizer(self, optimizer: Optimizer) -> Optimizer:
         return self._shard(optimizer) if self.world_size > 1 else optimizer
 

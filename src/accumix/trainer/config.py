@@ -82,6 +82,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return from_dict(hint, value, prefix=f"{key}.")
     if origin is tuple:
         args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{key}={value!r} is invalid; use a list of "
+                                  f"{_type_name(args[0])}")
+            return tuple(_coerce(v, args[0], key) for v in value)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}={value!r} is invalid; use a list {_type_name(hint)}")
         return tuple(_coerce(v, a, key) for v, a in zip(value, args, strict=True))

@@ -1,4 +1,5 @@
-"""Metric loggers: one row per optimizer step into ``metrics.csv``, ``metrics.jsonl``, TensorBoard.
+"""Metric loggers: one row per optimizer step into ``metrics.csv``, ``metrics.jsonl``, TensorBoard
+(and experiment trackers, ``trackers/``).
 
 Loggers run on rank 0 only, after every callback had its ``on_optimizer_step`` (so columns that
 callbacks add, and the ``val_loss`` of an evaluation at that step, are in the same row). A resumed
@@ -12,7 +13,7 @@ import csv
 import importlib.util
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from typing_extensions import override
 
 from accumix.errors import ConfigError
 
-LOGGER_WORDS = ("csv", "jsonl", "tensorboard")
+LOGGER_WORDS = ("csv", "jsonl", "tensorboard", "mlflow", "wandb", "clearml")
 
 
 class MetricLogger:
@@ -34,6 +35,11 @@ class MetricLogger:
             resume_step: the step the run resumed from (0 for a fresh run): rows after it are
                 stale and are dropped.
         """
+
+    def log_params(self, params: Mapping[str, Any], *,
+                   tags: Mapping[str, str] | None = None) -> None:
+        """The run's configuration and derived facts, once after ``open`` (trackers keep them;
+        the file loggers do not)."""
 
     def log(self, row: dict[str, Any]) -> None:
         """Writes one row (keys: column names; None for a missing value)."""
@@ -177,18 +183,23 @@ class TensorBoardLogger(MetricLogger):
             self._writer = None
 
 
-def resolve_loggers(loggers: Sequence[str | MetricLogger] | None) -> list[MetricLogger]:
+def resolve_loggers(loggers: Sequence[str | MetricLogger] | None, *, log_model: bool = False,
+                    run_name: str | None = None) -> list[MetricLogger]:
     """Turns logger words into loggers; the one place that knows them.
 
     Args:
         loggers: words from ``LOGGER_WORDS`` or ``MetricLogger`` objects; None for the default
             (csv and jsonl, plus tensorboard when it is installed).
+        log_model: trackers made from words upload the final ``model.safetensors``.
+        run_name: trackers' run name (default: the run directory's name).
 
     Raises:
-        ConfigError: an unknown word, or tensorboard asked for but not installed.
+        ConfigError: an unknown word, or a logger whose library is not installed.
     """
     if loggers is None:
         loggers = ["csv", "jsonl", *(["tensorboard"] if tensorboard_available() else [])]
+    from accumix.trainer.trackers import TRACKER_WORDS, make_tracker
+
     out: list[MetricLogger] = []
     for item in loggers:
         if isinstance(item, MetricLogger):
@@ -199,6 +210,8 @@ def resolve_loggers(loggers: Sequence[str | MetricLogger] | None) -> list[Metric
             out.append(JSONLLogger())
         elif item == "tensorboard":
             out.append(TensorBoardLogger())
+        elif item in TRACKER_WORDS:
+            out.append(make_tracker(item, log_model=log_model, run_name=run_name))
         else:
             raise ConfigError(
                 f"unknown logger {item!r}; use {', '.join(LOGGER_WORDS)} or a MetricLogger"

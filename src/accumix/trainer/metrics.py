@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from accumix.errors import ConfigError
+from accumix.trainer.system_metrics import SystemSampler, system_columns
 
 # One gathered row per rank: the window's sums and this rank's own measurements (the norm is
 # the same on every rank; -1 when none was computed).
@@ -149,6 +150,27 @@ def peak_memory_mb(device: torch.device) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes there, KiB here
 
 
+def torch_system_sampler(device: torch.device, every: int | None) -> SystemSampler | None:
+    """The system metrics sampler of a torch rank (None when ``every`` is None): CUDA memory
+    in use and peak, and the GPU's utilisation where NVML (``pynvml``) is installed."""
+    if every is None:
+        return None
+    if device.type != "cuda":
+        return SystemSampler(every)
+
+    def memory() -> tuple[float, float]:
+        return (torch.cuda.memory_allocated(device) / 2**20,
+                torch.cuda.max_memory_allocated(device) / 2**20)
+
+    def utilisation() -> float | None:
+        try:
+            return float(torch.cuda.utilization(device))
+        except Exception:  # no pynvml, or NVML not usable here
+            return None
+
+    return SystemSampler(every, device_memory=memory, gpu_util=utilisation)
+
+
 class _Clock:
     """Marks on the host, or CUDA events on a GPU (whose work runs after the host queued it)."""
 
@@ -174,10 +196,12 @@ class WindowMeter:
 
     Args:
         accelerator: the run's Accelerator (its device and its ``gather``).
+        system: this rank's system metrics sampler: its values ride in the same gather.
     """
 
-    def __init__(self, accelerator: Any) -> None:
+    def __init__(self, accelerator: Any, system: SystemSampler | None = None) -> None:
         self.acc = accelerator
+        self.system = system
         self.device = accelerator.device
         self._clock = _Clock(self.device)
         self.reset()
@@ -218,16 +242,19 @@ class WindowMeter:
         """
         ready = self._ready_mark if self._ready_mark is not None else self._clock.mark()
         busy = self._clock.seconds(self._start_mark, ready)
+        sampled = self.system is not None and self.system.due(step)
+        system = ([] if self.system is None else self.system.sample(
+            time.perf_counter() - self._start_wall) if sampled else self.system.empty())
         local = torch.tensor(
-            [0.0, 0.0, 0.0, float(self._samples), busy, peak_memory_mb(self.device), -1.0],
-            dtype=torch.float64,
+            [0.0, 0.0, 0.0, float(self._samples), busy, peak_memory_mb(self.device), -1.0,
+             *system], dtype=torch.float64,
         ).to(self.device, non_blocking=True)
         local[_LOSS] = self._loss
         local[_ITEMS] = self._items
         local[_COUNT] = self._items if self._item_mode else float(self._micro_steps)
         if grad_norm is not None:
             local[_NORM] = grad_norm.detach()
-        rows = self.acc.gather(local).view(-1, _WIDTH).tolist()
+        rows = self.acc.gather(local).view(-1, _WIDTH + len(system)).tolist()
         wall = time.perf_counter() - self._start_wall
         count = sum(r[_COUNT] for r in rows)
         norm = rows[0][_NORM]
@@ -244,4 +271,5 @@ class WindowMeter:
             step_time_s=wall,
             rank_busy_s=[r[_BUSY] for r in rows],
             max_mem_mb=max(r[_MEM] for r in rows),
+            extra=system_columns([r[_WIDTH:] for r in rows]) if sampled else {},
         )

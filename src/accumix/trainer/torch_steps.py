@@ -28,9 +28,15 @@ from torch.utils.data import DataLoader
 from accumix.accelerator import Accelerator
 from accumix.data import AcceleratedDataLoader
 from accumix.errors import ConfigError
+from accumix.micro_batch_probe import batch_maker, needs_choice
 from accumix.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
-from accumix.trainer.metrics import WindowMeter, batch_samples, split_loss
+from accumix.trainer.metrics import (
+    WindowMeter,
+    batch_samples,
+    split_loss,
+    torch_system_sampler,
+)
 
 if TYPE_CHECKING:
     from accumix.trainer.trainer import Trainer
@@ -54,6 +60,8 @@ class TorchSteps:
     Args: as ``Trainer``'s of the same names.
     """
 
+    backend = "torch"
+
     def __init__(self, *, model: nn.Module, optimizer: Optimizer,
                  train_loader: DataLoader | AcceleratedDataLoader,
                  accelerator: Accelerator | None, scheduler: Any, val_loader: DataLoader | None,
@@ -64,7 +72,15 @@ class TorchSteps:
             self.scheduler = scheduler
         else:
             objects = [model, optimizer, train_loader] + ([scheduler] if scheduler else [])
-            prepared = acc.setup(*objects)
+            if needs_choice(acc):  # micro_batch_size="auto": chosen before the loader is set up
+                model, optimizer = acc.setup(model, optimizer)
+                step = step_fn or default_step
+                acc.find_micro_batch_size(lambda batch: step(model, batch),
+                                          batch_maker(train_loader))
+                rest = acc.setup(*objects[2:])
+                prepared = [model, optimizer, *(rest if isinstance(rest, tuple) else (rest,))]
+            else:
+                prepared = acc.setup(*objects)
             self.model, self.optimizer, self.train_loader = prepared[:3]
             self.scheduler = prepared[3] if scheduler else None
         if not isinstance(self.train_loader, AcceleratedDataLoader):
@@ -94,12 +110,17 @@ class TorchSteps:
     def grad_accum_steps(self) -> int:
         return self.accelerator.grad_accum_steps
 
+    @property
+    def micro_batch_size(self) -> int | None:
+        return self.train_loader.batch_size
+
     # -- the epoch ------------------------------------------------------------------------------
     def run_epoch(self, trainer: Trainer) -> bool:
         """One pass over the loader, calling ``trainer.end_window`` at every boundary; returns
         early when the trainer is done after a window. Returns whether any batch came."""
         if self._meter is None:
-            self._meter = WindowMeter(self.accelerator)
+            self._meter = WindowMeter(self.accelerator, torch_system_sampler(
+                self.accelerator.device, trainer.system_metrics_every))
         got_batch = False
         for batch in self.train_loader:
             got_batch = True

@@ -27,13 +27,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from accumix import run_dir as layout
 from accumix.errors import ConfigError
+from accumix.trainer import run_state
 from accumix.trainer.callbacks import LossGuard
 from accumix.trainer.events import Callback
 from accumix.trainer.loggers import MetricLogger, resolve_loggers
@@ -90,8 +91,16 @@ class Trainer:
         keep_checkpoints: keep only this many newest checkpoints (None: all).
         grad_clip: the max gradient norm; None: no clipping (the norm is still logged).
         callbacks: more callbacks, called after the built-in ones in this order.
-        loggers: logger words (``"csv"``, ``"jsonl"``, ``"tensorboard"``) or ``MetricLogger``
-            objects; default csv + jsonl (+ tensorboard when installed). Need ``run_dir``.
+        loggers: logger words (``"csv"``, ``"jsonl"``, ``"tensorboard"``, ``"mlflow"``,
+            ``"wandb"``, ``"clearml"``) or ``MetricLogger`` objects; default csv + jsonl
+            (+ tensorboard when installed). Need ``run_dir``.
+        log_model: trackers named by word upload the final ``run_dir/model.safetensors``
+            when it was written before they close (after ``on_fit_end``).
+        run_name: trackers' run name and ``job`` tag (default: the run directory's name).
+        config: the resolved configuration, logged (with the derived facts) as trackers'
+            parameters.
+        system_metrics_every: every rank's CPU %, memory, device memory, GPU use and step
+            time every this many steps, as ``system/rank<r>/<name>`` columns (None: off).
         progress_bar: show the progress bar on rank 0.
 
     Raises:
@@ -120,12 +129,17 @@ class Trainer:
         grad_clip: float | None = 1.0,
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[str | MetricLogger] | None = None,
+        log_model: bool = False,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        system_metrics_every: int | None = 10,
         progress_bar: bool = True,
     ) -> None:
         if max_steps is None and max_epochs is None:
             raise ConfigError("give max_steps or max_epochs (or both); the run needs an end")
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs),
-                            ("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
+                            ("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
+                            ("system_metrics_every", system_metrics_every)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ConfigError(f"{name}={value!r} is invalid; use an integer >= 1 or None")
@@ -158,7 +172,10 @@ class Trainer:
         self.callbacks: list[Callback] = [*builtins, *callbacks]
         if loggers and self.run_dir is None:
             raise ConfigError("loggers need run_dir=; give a run directory or loggers=[]")
-        self.loggers = resolve_loggers(loggers) if self.run_dir is not None else []
+        self.loggers = resolve_loggers(loggers, log_model=log_model, run_name=run_name) \
+            if self.run_dir is not None else []
+        self.run_name, self.config = run_name, dict(config or {})
+        self.system_metrics_every = system_metrics_every
         # State that callbacks read.
         self.step = steps.optimizer_steps
         self.epoch = 0
@@ -236,8 +253,7 @@ class Trainer:
             if self.resume and self.run_dir is not None:
                 self.load_checkpoint(self.run_dir, missing_ok=True)
             if acc.is_main_process:
-                for logger in self.loggers:
-                    logger.open(self.run_dir, resume_step=self.step)  # type: ignore[arg-type]
+                self._open_loggers()
             self._train()
             if self.val_loader is not None and self._evaluated_step != self.step:
                 self.validate()
@@ -245,14 +261,16 @@ class Trainer:
                 self.save_checkpoint()
         except BaseException as exc:
             self.dispatch("on_exception", exc)
+            self._close_loggers()
             raise
         finally:
-            for logger in self.loggers if acc.is_main_process else ():
-                logger.close()
             close = getattr(self.steps, "close", None)
             if close is not None:
                 close()
-        self.dispatch("on_fit_end")
+        try:
+            self.dispatch("on_fit_end")  # may write model.safetensors for log_model
+        finally:
+            self._close_loggers()
         last, saved = self.last_metrics, self._saved_result
         if last is None and saved:  # a finished run run again: what it reported then
             loss, epoch = saved["loss"], saved["epoch"]
@@ -261,6 +279,21 @@ class Trainer:
         return FitResult(step=self.step, epoch=epoch, loss=loss,
                          val_loss=self.last_val.get("val_loss"), resumed_from=self.resumed_from,
                          seconds=time.perf_counter() - started)
+
+    def _open_loggers(self) -> None:
+        from accumix.trainer.run_facts import run_facts
+
+        if self.run_dir is None:
+            return  # no run directory, no loggers
+        name = self.run_name or self.run_dir.resolve().name
+        params = {**run_facts(self), "config": self.config} if self.config else run_facts(self)
+        for logger in self.loggers:
+            logger.open(self.run_dir, resume_step=self.step)
+            logger.log_params(params, tags={"job": name})
+
+    def _close_loggers(self) -> None:
+        for logger in self.loggers if self.accelerator.is_main_process else ():
+            logger.close()
 
     def done(self) -> bool:
         """The run has reached its end (max_steps, max_epochs, or a callback's
@@ -363,47 +396,16 @@ class Trainer:
         self.dispatch("on_load_checkpoint", path)
         return path
 
-    # -- the loop's state in the checkpoint ----------------------------------------------------
+    # -- the loop's state in the checkpoint (trainer/run_state.py) -------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The loop's state and every callback's ``state_dict()`` (JSON), as saved with each
+        """The loop's state and every callback's ``state_dict()`` (JSON), saved with each
         checkpoint.
 
         Raises:
             ConfigError: a callback's state is not JSON (named).
         """
-        callbacks = {}
-        for key, callback in self._callback_keys():
-            state = callback.state_dict() if hasattr(callback, "state_dict") else {}
-            state = layout.json_state(state, f"callback {key}'s state_dict()")
-            if state:
-                callbacks[key] = state
-        last = self.last_metrics
-        loss = last.loss if last is not None else self._saved_result.get("loss", math.nan)
-        return {"trainer": {"should_stop": self.should_stop, "loss": loss, "epoch": self.epoch,
-                            "val": self.last_val, "evaluated_step": self._evaluated_step},
-                "callbacks": callbacks}
+        return run_state.state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores ``state_dict()``'s loop state and each callback's state (matched by class
-        name and order; a callback the checkpoint has no state for keeps its own)."""
-        own = state.get("trainer")
-        if own:
-            self.should_stop = bool(own["should_stop"])
-            self._saved_result = {"loss": own["loss"], "epoch": own["epoch"]}
-            self.last_val = dict(own["val"])
-            self._evaluated_step = own["evaluated_step"]
-        saved = state.get("callbacks", {})
-        for key, callback in self._callback_keys():
-            if key in saved and hasattr(callback, "load_state_dict"):
-                callback.load_state_dict(saved[key])
-
-    def _callback_keys(self) -> list[tuple[str, Callback]]:
-        """Each callback with a key that finds it again in a resumed run: its class name, and
-        ``#2``, ``#3`` ... for the second and later of one class."""
-        seen: dict[str, int] = {}
-        keys = []
-        for callback in self.callbacks:
-            name = type(callback).__name__
-            seen[name] = seen.get(name, 0) + 1
-            keys.append((name if seen[name] == 1 else f"{name}#{seen[name]}", callback))
-        return keys
+        """Restores what ``state_dict()`` returned, callbacks matched by class name and order."""
+        run_state.restore(self, state)

@@ -1,0 +1,62 @@
+"""Where ``micro_batch_size="auto"`` keeps its answer: ``<run_dir>/micro_batch_auto.json``, one
+entry per key of what the answer depends on, so a restart with the same settings skips the
+probe and one on another world size (or device, precision, strategy...) probes again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from accumix.peak_memory import device_model
+
+if TYPE_CHECKING:
+    from accumix.accelerator import Accelerator
+
+CACHE_FILE = "micro_batch_auto.json"
+
+
+def cache_key(acc: Accelerator, sample: Any, global_batch: int, headroom: float) -> str:
+    """What the answer depends on: world, precision, strategy, the shapes of a one-row batch
+    (``sample``), the device model, the model's size, the global batch, the limit and the
+    headroom."""
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(sample)
+              if isinstance(t, torch.Tensor)]
+    params = sum(p.numel() for model in acc._models for p in model.parameters())
+    parts = {"world": acc.strategy.dp_world_size, "precision": acc.policy.name,
+             "strategy": acc.strategy.name, "shapes": repr(shapes),
+             "device": device_model(acc.device), "params": params,
+             "global_batch": global_batch, "limit": acc._memory_limit, "headroom": headroom}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_cache(run_dir: str | os.PathLike[str] | None, key: str) -> int | None:
+    """The cached micro-batch for ``key``, or None (no run directory, file or entry)."""
+    if run_dir is None:
+        return None
+    try:
+        entries = json.loads((Path(run_dir) / CACHE_FILE).read_text())
+        return int(entries[key]["micro_batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_cache(run_dir: str | os.PathLike[str] | None, key: str, micro: int) -> None:
+    """Adds ``key``'s answer to the run directory's file (atomically; rank 0 calls it)."""
+    if run_dir is None:
+        return
+    path = Path(run_dir) / CACHE_FILE
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {"micro_batch_size": micro}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(tmp, path)

@@ -1,0 +1,150 @@
+"""The peak memory of one probed step, per device: what ``micro_batch_size="auto"`` compares
+against the limit.
+
+CUDA: the caching allocator's own counter, ``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats`` (every tensor on the device, the model's included).
+
+CPU has no allocator counter and no out-of-memory error before the kernel's OOM killer, so the
+peak is counted the way CUDA's allocator counts it: the bytes of every live CPU tensor storage
+when the step begins (found through the garbage collector), plus the highest growth during the
+step, seen by a ``TorchDispatchMode`` that adds each new storage's bytes when an operator
+returns it and subtracts them when the storage is freed (a weak reference's callback). It counts
+tensors, not the interpreter, libraries or allocator slack; a test checks the growth against the
+process's real peak resident-set growth (``ru_maxrss``) in a fresh process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class _StorageGrowth(TorchDispatchMode):
+    """Counts the bytes of CPU storages created under it that are still alive, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alive: dict[int, int] = {}  # data_ptr -> bytes, storages created here, alive
+        self._refs: list[weakref.ref[Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+                self._track(leaf)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        if hasattr(tensor, "to_local"):  # a DTensor: its shard holds the memory
+            tensor = tensor.to_local()
+        try:
+            storage = tensor.untyped_storage()
+            size, ptr = storage.nbytes(), storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+            return
+        if not size or ptr in self._alive:  # a view or an in-place result: nothing new
+            return
+        self._alive[ptr] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        # Storages keep their Python object while C++ holds them: the callback fires when the
+        # memory is really freed, not when the last Python name goes away.
+        self._refs.append(weakref.ref(storage, lambda _ref, p=ptr: self._free(p)))
+
+    def _free(self, ptr: int) -> None:
+        size = self._alive.pop(ptr, 0)
+        self.live -= size
+
+
+def live_cpu_tensor_bytes() -> int:
+    """The bytes of every CPU tensor storage alive in this process (each storage once)."""
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on deprecated lazy module attributes warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" \
+                        or obj.is_meta:
+                    continue
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError, ReferenceError):
+                continue  # a freed storage (FSDP resizes its buffers to 0), a subclass
+    return sum(seen.values())
+
+
+class PeakMeter:
+    """``with meter.measure(): step()`` then ``meter.peak``: this rank's peak bytes in the step.
+
+    Args:
+        device: the rank's device (cuda or cpu).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self.growth = 0  # CPU: the peak above the bytes alive when the step began
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+            self.growth = self.peak - before
+            return
+        before = live_cpu_tensor_bytes()
+        mode = _StorageGrowth()
+        try:
+            with mode:
+                yield
+        finally:
+            self.growth = mode.peak
+            self.peak = before + mode.peak
+
+
+def release_cached(device: torch.device) -> None:
+    """Frees what a failed or finished probe left (cycles holding tensors, the CUDA cache)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_total_bytes(device: torch.device, *, local_world_size: int = 1) -> int:
+    """All the memory one rank's device has: a GPU's total, or on CPU this process's share of
+    the host (the physical memory, or the container's cgroup limit if lower, divided by the
+    ranks on this host)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as file:
+            limit = file.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total // max(local_world_size, 1)
+
+
+def device_model(device: torch.device) -> str:
+    """What the probe's answer depends on of the hardware: the GPU's name, or ``cpu``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"

@@ -1,0 +1,190 @@
+"""What every experiment tracker shares: one run per job, its id in the run directory, rank 0 only.
+
+A tracker logger is a ``MetricLogger`` whose rows go to a tracking service (MLflow, W&B,
+ClearML). It is gated on the process's rank itself, so the same object works without the
+Trainer: every rank may call ``open`` / ``log`` / ``close``; only rank 0 (process 0 on JAX)
+creates the run and sends anything, the others do nothing and never fail. The run's id is kept
+in ``run_dir/trackers.json``, so a resumed job (auto-resume, an elastic restart) continues the
+same run instead of starting a new one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from typing_extensions import override
+
+from accumix.errors import ConfigError
+from accumix.trainer.loggers import MetricLogger
+
+RUN_IDS_FILE = "trackers.json"
+MODEL_FILE = "model.safetensors"
+
+
+def process_rank() -> int:
+    """This process's rank in the job: JAX's process index once jax.distributed runs, else the
+    launcher's (torchrun, SLURM, MPI) variables; 0 when nothing was launched."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        try:
+            if jax.process_count() > 1:
+                return int(jax.process_index())
+        except Exception:  # an uninitialised or odd jax: the launcher's variables decide
+            pass
+    from accumix.launch_env import detect_launch_env
+
+    return detect_launch_env().rank
+
+
+def read_run_ids(run_dir: Path) -> dict[str, Any]:
+    """``run_dir/trackers.json`` (``{}`` when absent)."""
+    path = Path(run_dir) / RUN_IDS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_run_id(run_dir: Path, name: str, entry: dict[str, Any]) -> None:
+    """Records one tracker's run in ``run_dir/trackers.json`` (atomically: temp file, rename)."""
+    ids = read_run_ids(run_dir)
+    ids[name] = entry
+    path = Path(run_dir) / RUN_IDS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ids, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"n_layer": 2}}`` -> ``{"model.n_layer": 2}`` (lists kept as values)."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def numeric_metrics(row: Mapping[str, Any]) -> dict[str, float]:
+    """The row's numbers as floats (numpy and torch scalars too), without ``step`` and None."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        if key == "step" or value is None or isinstance(value, (str, bytes)):
+            continue
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def missing_package(word: str, module: str) -> ConfigError | None:
+    """The one-line error for a tracker word whose library is not installed, else None."""
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return ConfigError(f"the {word} logger needs the {module} package; pip install "
+                       f"'accumix[{word}]' or drop {word!r} from loggers")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+class TrackerLogger(MetricLogger):
+    """A tracker run, opened on rank 0 only; subclasses talk to one library.
+
+    Subclasses implement ``_start(saved)`` (create or continue the run; return its id and what
+    to keep in ``trackers.json``), ``_params``, ``_metrics``, ``_upload`` and ``_finish``.
+
+    Args:
+        log_model: at ``close``, upload ``run_dir/model.safetensors`` when this run wrote it
+            (never checkpoints).
+        run_name: the run's display name (default: the run directory's name); also the
+            ``job`` tag.
+    """
+
+    word = ""  # the logger word, also the key in trackers.json and the pip extra
+    module = ""  # the import name of the library
+
+    def __init__(self, *, log_model: bool = False, run_name: str | None = None) -> None:
+        error = missing_package(self.word, self.module)
+        if error is not None:
+            raise error
+        self.log_model = log_model
+        self.run_name = run_name
+        self.run_id: str | None = None
+        self.run_dir: Path | None = None
+        self.active = False
+        self._opened_at = 0.0
+
+    @override
+    def open(self, run_dir: Path, *, resume_step: int) -> None:
+        """Creates the run on rank 0, or continues the one ``run_dir/trackers.json`` names.
+
+        Raises:
+            ConfigError: the tracking location cannot be written (one line naming it).
+        """
+        self.active = False
+        if process_rank() != 0:
+            return
+        self.run_dir = Path(run_dir)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"the {self.word} logger cannot write to run_dir "
+                              f"{str(run_dir)!r} ({exc.strerror}); give a writable one") from None
+        self.run_name = self.run_name or self.run_dir.resolve().name
+        self._opened_at = time.time()
+        saved = read_run_ids(self.run_dir).get(self.word)
+        entry = self._start(saved, resume_step)
+        self.active = True
+        self.run_id = entry["run_id"]
+        write_run_id(self.run_dir, self.word, entry)
+
+    def log_params(self, params: Mapping[str, Any], *,
+                   tags: Mapping[str, str] | None = None) -> None:
+        """The run's parameters (nested mappings are flattened with dots) and tags."""
+        if self.active:
+            self._params(flatten(params), dict(tags or {}))
+
+    @override
+    def log(self, row: dict[str, Any]) -> None:
+        # A skipped fp16 window repeats the previous step number: a tracker indexed by step
+        # would get two values for one step, so it gets the next real step's row only.
+        if not self.active or row.get("skipped"):
+            return
+        metrics = {k: v for k, v in numeric_metrics(row).items() if k != "skipped"}
+        self._metrics(metrics, int(row["step"]))
+
+    @override
+    def close(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        model = self.run_dir / MODEL_FILE if self.run_dir is not None else None
+        if (self.log_model and model is not None and model.exists()
+                and model.stat().st_mtime >= self._opened_at - 1):
+            self._upload(model)
+        self._finish()
+
+    # -- what a library does -------------------------------------------------------------------
+    def _start(self, saved: dict[str, Any] | None, resume_step: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _params(self, params: dict[str, Any], tags: dict[str, str]) -> None:
+        raise NotImplementedError
+
+    def _metrics(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def _upload(self, path: Path) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,109 @@
+"""2 ranks on gloo: ``micro_batch_size="auto"`` with an out-of-memory error injected on rank 1
+only (in its forward, mid-model; or in its backward): both ranks choose the largest divisor that
+rank 1 can run, nobody hangs, and the run equals the run given that size explicitly, bitwise
+(weights, BatchNorm buffers, dropout's RNG), under ddp, zero1 and fsdp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+import accumix as ax
+from accumix.testing import ResidualBlock, spawn
+
+GLOBAL, LIMIT_ROWS = 24, 5  # per rank 12: candidates 1, 2, 3, 4, 6, 12; rank 1 runs <= 5 rows
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.rows = x.shape[0]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if ctx.rows > LIMIT_ROWS:
+            raise torch.OutOfMemoryError("injected in backward")
+        return grad
+
+
+class Net(nn.Module):
+    """Blocks FSDP wraps, a BatchNorm and dropout in the root, and the injected failure after
+    the second block (so under FSDP the first blocks' all-gathers have already run)."""
+
+    def __init__(self, inject: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.blocks = nn.ModuleList(ResidualBlock(16) for _ in range(3))
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(16, 1)
+        self.inject = inject if dist.get_rank() == 1 else ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.inp(x)))
+        for index, block in enumerate(self.blocks):
+            h = block(h)
+            if index == 1 and self.inject == "forward" and h.shape[0] > LIMIT_ROWS:
+                raise torch.OutOfMemoryError("injected in forward")
+            if index == 1 and self.inject == "backward":
+                h = _RaiseInBackward.apply(h)
+        return self.head(self.drop(h))
+
+
+def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict[str, Any]]:
+    acc = ax.Accelerator(strategy=strategy, global_batch_size=GLOBAL, micro_batch_size=micro,
+                         seed=0, timeout=60)
+    net = Net(inject)
+    model, optimizer = acc.setup(net, torch.optim.AdamW(net.parameters()))
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(96, 6, generator=generator),
+                         torch.randn(96, 1, generator=generator))
+    if micro == "auto":
+        acc.find_micro_batch_size(lambda b: nn.functional.mse_loss(model(b[0]), b[1]),
+                                  lambda n: (torch.randn(n, 6), torch.randn(n, 1)))
+    loader = acc.setup(DataLoader(data, batch_size=2 if micro == "auto" else micro, shuffle=True))
+    for x, y in loader:
+        with acc.accumulate():
+            acc.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+             for k, v in acc.unwrap(model).state_dict().items()}
+    chosen = loader.batch_size
+    steps = acc.optimizer_steps
+    acc.end()
+    return chosen, steps, state
+
+
+CASES = {"ddp": ("forward",), "zero1": ("forward",), "fsdp": ("forward", "backward")}
+
+
+def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    out = {}
+    for strategy, injections in cases.items():
+        _, steps, explicit = _train(strategy, 4, "")
+        for inject in injections:
+            chosen, auto_steps, auto = _train(strategy, "auto", inject)
+            out[f"{strategy}-{inject}"] = {
+                "chosen": chosen, "steps": (auto_steps, steps),
+                "equal": all(torch.equal(auto[k], explicit[k]) for k in explicit),
+                "trained": not torch.equal(explicit["head.weight"], Net("").head.weight),
+            }
+    return out
+
+
+def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwise() -> None:
+    results = spawn(_job, nprocs=2, args=(CASES,), timeout=300)
+    for rank, result in enumerate(results):
+        for case, facts in result.items():
+            assert facts["chosen"] == 4, (rank, case, facts)  # largest divisor of 12 <= 5
+            assert facts["steps"] == (4, 4), (rank, case, facts)  # 48 rows / (4 x K=3)
+            assert facts["equal"], (rank, case)
+            assert facts["trained"], (rank, case)

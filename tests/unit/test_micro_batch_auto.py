@@ -1,0 +1,204 @@
+"""``micro_batch_size="auto"`` on one CPU process: against ``memory_limit=`` the largest candidate
+whose measured peak fits is chosen and the next one up does not fit (item and mean modes); the
+measured peak is the process's real peak RSS growth; the loader is re-batched, K follows; bad
+input is a one-line ConfigError."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import accumix as ax
+from accumix.micro_batch_cache import CACHE_FILE
+from accumix.micro_batch_probe import _far_over, measure
+
+GLOBAL = 24  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
+
+
+class Wide(nn.Module):
+    """Few parameters, ``width`` KB of activations per row (5 MB at 4096): the peak grows with
+    the rows."""
+
+    def __init__(self, width: int = 1024) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(64, 64)
+        self.scale = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.lin(x)).unsqueeze(-1) * self.scale).square()
+
+
+def _set_up(width: int = 1024, **kwargs: object) -> tuple[ax.Accelerator, nn.Module, object]:
+    acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", **kwargs)
+    net = Wide(width)
+    model, optimizer = acc.setup(net, torch.optim.AdamW(net.parameters()))
+    return acc, model, optimizer
+
+
+def _make(n: int) -> torch.Tensor:
+    return torch.randn(n, 64)
+
+
+@pytest.mark.parametrize("mode", ["mean", "items"])
+def test_cpu_memory_limit_chooses_the_largest_measured_fit(mode: str, tmp_path: Path) -> None:
+    def step_of(model: nn.Module):  # noqa: ANN202
+        if mode == "mean":
+            return lambda x: model(x).mean()
+        return lambda x: (model(x).sum(), x.shape[0])
+
+    acc, model, _ = _set_up()
+    peaks = {n: measure(acc, step_of(model), _make, n).peak for n in (6, 8)}
+    del acc, model
+    limit = int((peaks[6] + peaks[8]) / 2 / 0.9)  # 6 fits with 10% headroom, 8 does not
+    assert peaks[6] <= 0.9 * limit < peaks[8]
+
+    acc, model, optimizer = _set_up(memory_limit=limit)
+    asked: list[int] = []
+    assert acc.find_micro_batch_size(step_of(model), lambda n: asked.append(n) or _make(n),
+                                     run_dir=tmp_path) == 6
+    # make_batch(1) keys the cache; on CPU the two smallest sizes are probed first (their
+    # peaks predict the others), then bisection: 6 fits, 8 does not.
+    assert asked[:3] == [1, 1, 2] and {6, 8} <= set(asked) and max(asked) <= 12
+    choice = acc.micro_batch_choice
+    assert (choice.grad_accum_steps, choice.limit_bytes) == (4, limit)
+    assert choice.peak_bytes <= 0.9 * limit
+    data = TensorDataset(torch.randn(48, 64))
+    loader = acc.setup(DataLoader(data, batch_size=5, shuffle=True))
+    assert (loader.batch_size, acc.grad_accum_steps, len(loader)) == (6, 4, 8)
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 1
+
+
+def test_cpu_never_runs_a_size_predicted_far_past_the_limit() -> None:
+    """Peaks 100 and 150 bytes at 1 and 2 rows: 50 a row; budget 900 (1000 less 10%)."""
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    results = {1: [[0.0, 100.0, 1000.0], [0.0, 100.0, 1000.0]],
+               2: [[0.0, 150.0, 1000.0], [0.0, 150.0, 1000.0]]}
+    assert not _far_over(results, sizes, 32, 0.1)  # 100 + 31 x 50 = 1650 < 2 x 900
+    assert _far_over(results, sizes, 64, 0.1)  # 3250
+    results[2][1][1] = 900.0  # one rank's rows are costlier: it decides for all
+    assert _far_over(results, sizes, 4, 0.1)  # 100 + 3 x 800 = 2500
+    assert not _far_over({1: results[1]}, sizes, 64, 0.1)  # nothing to predict from yet
+
+
+def test_measured_peak_is_the_real_peak_rss_growth() -> None:
+    script = f"""
+import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+import torch
+from tests.unit.test_micro_batch_auto import _make, _set_up
+from accumix.micro_batch_probe import _far_over, measure
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+acc, model, _ = _set_up(4096)
+step = lambda x: model(x).mean()
+measure(acc, step, _make, 2)  # warm up: first-call allocations are not the step's
+before = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+meter = measure(acc, step, _make, 40)
+print(meter.growth, status("VmHWM:") - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout.split()
+    measured, rss = int(out[-2]), int(out[-1])
+    assert rss > 150 * 2**20  # the step really grew the process (5 MB a row x 40)
+    assert 0.9 < measured / rss < 1.1, (measured, rss)
+
+
+def test_bad_input_is_one_line_config_error() -> None:
+    with pytest.raises(ax.ConfigError, match="needs global_batch_size"):
+        ax.Accelerator(micro_batch_size="auto")
+    with pytest.raises(ax.ConfigError, match="'large' is invalid"):
+        ax.Accelerator(global_batch_size=8, micro_batch_size="large")
+    with pytest.raises(ax.ConfigError, match="above the device's"):
+        ax.Accelerator(global_batch_size=8, micro_batch_size="auto", memory_limit=2**62)
+    acc, model, _ = _set_up(memory_limit=2**20)  # below the model with one row
+    with pytest.raises(ax.ConfigError, match="not chosen yet") as error:
+        acc.setup(DataLoader(TensorDataset(torch.randn(4, 64)), batch_size=2))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ax.ConfigError, match="not even a micro-batch of 1 fits") as error:
+        acc.find_micro_batch_size(lambda x: model(x).mean(), _make)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ax.ConfigError, match="headroom"):
+        acc.find_micro_batch_size(lambda x: model(x).mean(), _make, headroom=1.5)
+    acc = ax.Accelerator(grad_accum_steps=2, global_batch_size=GLOBAL, micro_batch_size="auto",
+                         memory_limit=np.int64(2**30))  # a numpy number is a number
+    net = Wide()
+    model, _ = acc.setup(net, torch.optim.SGD(net.parameters()))
+    with pytest.raises(ax.ConfigError, match="grad_accum_steps=2 with micro_batch_size='auto'"):
+        acc.find_micro_batch_size(lambda x: model(x).mean(), _make)
+
+
+def test_recipe_auto_then_an_elastic_restart_on_two_ranks(tmp_path: Path) -> None:
+    """``accumix train micro_batch_size=auto``: one rank chooses 8 of 16 (K=2) under a limit,
+    checkpoints; the restart on 2 ranks keeps global 16, probes again (another world: another
+    cache key) and derives K=1."""
+    tiny = ["model.n_layer=1", "model.n_embd=64", "model.n_head=2", "model.block_size=64",
+            "data.max_files=20", "data.max_val_bytes=2000", "sample.max_new_tokens=0",
+            "optimizer.warmup_steps=1", "global_batch_size=16", "micro_batch_size=auto",
+            "memory_limit=7000000", "progress_bar=false", "plot=false", "eval_every=null",
+            f"output_dir={tmp_path}"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    lines = []
+    for steps, nproc in ((1, 1), (2, 2)):
+        done = subprocess.run(
+            [sys.executable, "-m", "accumix.cli.main", "train", *tiny, f"max_steps={steps}",
+             f"checkpoint_every={steps}", f"nproc={nproc}"],
+            capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines += [line for line in done.stderr.splitlines()
+                  if "micro_batch_size=auto chose" in line]
+    assert "micro_batch_size=auto chose 8 (K=2 on 1 rank, global 16): peak" in lines[0]
+    assert "micro_batch_size=auto chose 8 (K=1 on 2 ranks, global 16): peak" in lines[1]
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 2
+    assert [r.split(",")[0] for r in (tmp_path / "metrics.csv").read_text().split()[1:]] == [
+        "1", "2"]
+
+
+def test_trainer_chooses_with_nothing_more_and_equals_the_explicit_run() -> None:
+    """The Trainer probes with its step_fn (which draws noise: the probe must give the RNG
+    back) on the loader's largest sample, re-batches the loader and trains as the run given
+    the chosen size does, bitwise."""
+    from accumix.trainer import Trainer
+
+    def noisy(model: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
+        return model(batch[0] + 0.1 * torch.randn_like(batch[0])).mean()
+
+    weights = []
+    for micro in ("auto", GLOBAL):
+        acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size=micro, seed=0)
+        net = Wide(64)
+        data = TensorDataset(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
+        trainer = Trainer(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.1),
+                          train_loader=DataLoader(data, batch_size=5 if micro == "auto" else
+                                                  micro, shuffle=True),
+                          accelerator=acc, step_fn=noisy, max_steps=2, progress_bar=False)
+        trainer.fit()
+        assert (acc.grad_accum_steps, trainer.train_loader.batch_size) == (1, GLOBAL)
+        weights.append(acc.unwrap(trainer.model).scale.detach().clone())
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[0], Wide(64).scale)
+
+
+def test_estimate_memory_shows_the_choice_without_training(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from accumix.cli.main import main
+
+    assert main(["estimate-memory", "model.n_layer=1", "model.n_embd=64", "model.n_head=2",
+                 "model.block_size=64", "global_batch_size=16", "micro_batch_size=auto",
+                 "memory_limit=7000000", "--world-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "micro_batch_size=auto chose 8 (K=2 on 1 rank, global 16): peak" in out
+    assert "micro batch 8 x 64 tokens" in out
