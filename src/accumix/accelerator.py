@@ -10,7 +10,8 @@ The step, as the user's loop drives it (each call a no-op where it has nothing t
                                     #   backward reached them since, step or skip
         scheduler.step()            # only if the optimizer really stepped
         optimizer.zero_grad()       # only once the window's gradients have been used
-                                    # (block exit at the boundary: update the loss scale)
+                                    # (the loss scale moves once per window, after its last
+                                    #   step, in the block or after it: ``window_end.py``)
 
 With several optimizers each keeps its own window (``boundary.py``): the backward calls that
 reached its parameters, their item counts, its finalize and its step.
@@ -32,7 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import boundary, checkpoint, fault
+from accumix import boundary, checkpoint, fault, window_end
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.batch_sizes import batch_geometry
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
@@ -73,6 +74,7 @@ class _MicroStep:
     def __enter__(self) -> None:
         acc = self.acc
         acc._begin_micro_step()
+        acc._micro_step_models = self.models
         if not acc._window.is_boundary:
             for model in self.models or acc._models:
                 ctx = acc.strategy.no_sync(model)
@@ -85,7 +87,7 @@ class _MicroStep:
         acc = self.acc
         acc._in_micro_step = False
         if acc._window.is_boundary:
-            acc._update_loss_scale()
+            window_end.update_loss_scale(acc)
         acc._window.end()
 
 
@@ -176,9 +178,8 @@ class Accelerator:
         self._set_up: set[int] = set()
         self._in_micro_step = False
         self._micro_step = _MicroStep(self, ())
-        self._decided_window = -1  # the window whose first optimizer step has been taken
-        self._counted_window = -1  # the window counted in optimizer_steps
-        self._window_found_inf: bool | None = None  # this window's overflow, once decided
+        self._micro_step_models: tuple[nn.Module, ...] = ()  # accumulate()'s (): every model
+        self._step = boundary.StepRecord()
         self.optimizer_steps = 0
         self.step_was_skipped = False
         self._micro_batch_choice: MicroBatchChoice | None = None
@@ -279,15 +280,17 @@ class Accelerator:
             self._models.append(wrapped)
             result[id(given)] = wrapped
             for raw, opt in zip(owned, opts, strict=True):
-                result[id(raw)] = self._wrap_optimizer(opt)
+                result[id(raw)] = self._wrap_optimizer(opt, wrapped)
         for opt in optimizers:
             if id(opt) not in result:
-                if not any(_owns(self.unwrap(m), opt) for m in self._models):
+                owner = next((m for m in self._models if _owns(self.unwrap(m), opt)), None)
+                if owner is None:
                     raise ConfigError(
                         "an optimizer's parameters belong to no set-up model; "
                         "call acc.setup(model, optimizer) with its model"
                     )
-                result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt))
+                result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt),
+                                                       owner)
         for obj in objects:
             if isinstance(obj, _SCHEDULER_TYPES):
                 result[id(obj)] = self._wrap_scheduler(obj)
@@ -340,8 +343,8 @@ class Accelerator:
         self.strategy = chosen
         log.info("strategy='auto' chose %s", reason)
 
-    def _wrap_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(optimizer, self)
+    def _wrap_optimizer(self, optimizer: Optimizer, model: nn.Module) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(optimizer, self, model)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -436,6 +439,8 @@ class Accelerator:
             )
         if self._preemption is not None and not self._loaders:
             self._preemption.at_batch()  # no set-up loader calls it between batches
+        if not self._window.micro_step:  # a new window: the last one's end comes first
+            window_end.close_window(self)
         self._in_micro_step = True
         self._window.begin()
 
@@ -463,8 +468,7 @@ class Accelerator:
         before = boundary.marks_before(self._optimizers, self.strategy)
         self.strategy.backward(loss * multiplier if multiplier != 1.0 else loss,
                                self._models[0] if self._models else None)
-        boundary.record_backward(boundary.reached(self._optimizers, before, self.strategy),
-                                 window, num_items)
+        boundary.record_backward(self, before, num_items)
 
     def _finalize(self, optimizers: list[AcceleratedOptimizer]) -> None:
         boundary.finalize(self, optimizers)
@@ -500,13 +504,6 @@ class Accelerator:
 
     def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
         return boundary.optimizer_step(self, optimizer, closure)
-
-    def _update_loss_scale(self) -> None:
-        """Once per window, after all of its steps: every backward and every finalize of a
-        window use one scale, however many optimizers step and in whichever order."""
-        if self._window_found_inf is not None:
-            self.strategy.scaler.update(self._window_found_inf)
-            self._window_found_inf = None
 
     # -- collectives and helpers ---------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

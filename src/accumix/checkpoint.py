@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from accumix import fault, rng_state
+from accumix import fault, rng_state, window_end
 from accumix import run_dir as layout
 from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.errors import AccumixError, CheckpointError, ConfigError
@@ -74,6 +74,7 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
     _check_between_windows(acc, "save_state")
     if extra_state is not None:
         extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
+    window_end.close_window(acc, window_over=False)  # the scale the next window uses
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
@@ -210,6 +211,7 @@ def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
 def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = True) -> Path:
     """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
     _check_between_windows(acc, "load_state")
+    window_end.close_window(acc)  # nothing of the last window applies to the loaded state
     step_dir: Path | None = None
     meta: dict[str, Any] = {}
     rng: dict[str, Any] = {}

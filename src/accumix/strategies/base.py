@@ -150,6 +150,15 @@ class Strategy:
         for param in model.parameters():
             param.grad = None
 
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        """The boundary's reduction for a model whose window's last backward ran under
+        ``no_sync(model)`` (a model unused on the boundary micro-step): its gradients are still
+        each rank's own, and must not be stepped so. Called once per such model and window,
+        before the boundary pass; collective. Backends without deferred communication need
+        nothing; one that cannot reduce outside a backward raises ``ConfigError`` saying what
+        works instead.
+        """
+
     def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
         return [p.grad for p in params if p.grad is not None]

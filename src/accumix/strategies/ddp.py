@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -69,3 +72,36 @@ class DDPStrategy(Strategy):
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
+
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        """What DDP's synced backward would have done, once: every gradient of the model
+        averaged over the ranks, in one flat all-reduce per gradient dtype."""
+        if isinstance(model, DistributedDataParallel):
+            average_grads_(
+                [p for p in model.parameters() if p.requires_grad], self.world_size)
+
+
+def average_grads_(params: list[nn.Parameter], world_size: int) -> None:
+    """Averages the parameters' gradients over the ranks in place, as DDP's default hook does
+    (each rank's divided by the world, then summed), in one all-reduce per (device, dtype).
+
+    A gradient that some rank lacks (a parameter unused there) counts as zero, as in DDP with
+    ``find_unused_parameters``; one that no rank has stays None. Which ranks had it travels in
+    the same buffer (a presence count after the gradients), so no second collective is needed.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = defaultdict(list)
+    for p in params:
+        groups[(p.device, p.dtype if p.grad is None else p.grad.dtype)].append(p)
+    for (device, dtype), group in groups.items():
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p, dtype=dtype)
+                  ).reshape(-1) for p in group]
+        present = torch.tensor([float(p.grad is not None) for p in group], dtype=dtype,
+                               device=device)
+        flat = torch.cat([*parts, present]).div_(world_size)
+        dist.all_reduce(flat)
+        values = flat[:-len(group)].split([part.numel() for part in parts])
+        for p, value, anywhere in zip(group, values, flat[-len(group):].tolist(), strict=True):
+            if p.grad is not None:
+                p.grad.copy_(value.view_as(p.grad))
+            elif anywhere > 0:
+                p.grad = value.view_as(p).clone()

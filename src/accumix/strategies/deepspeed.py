@@ -161,6 +161,7 @@ class DeepSpeedStrategy(Strategy):
         self._trained: dict[int, set[int]] = {}  # id(engine) -> ids of its optimizer's params
         self._groups: dict[int, list[list[str]]] = {}  # id(engine) -> param groups' FQNs
         self._stepped: set[int] = set()  # ids of engines stepped since their last backward
+        self._unstepped: set[int] = set()  # ids of engines with a backward since their step
         self._owns_group = False
 
     def connect(self, *, launch: Any, device: torch.device, policy: Policy,
@@ -272,6 +273,16 @@ class DeepSpeedStrategy(Strategy):
         engine = self._engine(model)
         engine.backward(loss, scale_wrt_gas=False)
         self._stepped.discard(id(engine))
+        self._unstepped.add(id(engine))
+
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        # The engine reduces (and fills the partitions its step reads) only in a backward at
+        # its accumulation boundary; stepping without one fails inside DeepSpeed (KeyError 0).
+        raise ConfigError(
+            "strategy='deepspeed' reduces gradients only in a backward on the window's last "
+            "micro-step, and this window's last backward ran on an earlier one; run a backward "
+            "on the last micro-step of every window (a zero loss works)"
+        )
 
     def probe_units(self, model: nn.Module) -> list[nn.Module]:
         """Refused: ZeRO reduces inside its backward's epilogue (no point to agree before it)
@@ -329,6 +340,7 @@ class DeepSpeedStrategy(Strategy):
         try:
             engine.step()
             self._stepped.add(id(engine))
+            self._unstepped.discard(id(engine))
             self._scale_updates[id(engine)]()
             if self.stage == 3:
                 clear_stage3_grad_partitions(engine.optimizer)
@@ -344,7 +356,21 @@ class DeepSpeedStrategy(Strategy):
         return bool(engine.was_step_applied())
 
     def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
-        """Nothing: the engine clears its gradients inside every step, applied or skipped."""
+        """Nothing: the engine clears its gradients inside every step, applied or skipped.
+
+        Raises:
+            ConfigError: the window's gradients are to be discarded without a step (the loop
+                skipped it): the engine keeps its reduced partitions until a step, and the
+                next window would add to them.
+        """
+        engine = self._engine_of.get(id(optimizer))
+        if engine is not None and id(engine) in self._unstepped:
+            raise ConfigError(
+                "strategy='deepspeed' clears gradients only inside optimizer.step(), and "
+                "zero_grad() was asked to discard a window that was not stepped; call "
+                "optimizer.step() on every window's boundary (under fp16 the engine skips an "
+                "overflowing one itself)"
+            )
 
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -387,6 +413,7 @@ class DeepSpeedStrategy(Strategy):
         self._trained.clear()
         self._groups.clear()
         self._stepped.clear()
+        self._unstepped.clear()
         # DeepSpeed caches a clone of the world group per process; the Accelerator may destroy
         # the world next, and an engine built later (a new Accelerator) must not use the stale
         # clone. deepspeed.comm.destroy_process_group does the same release.

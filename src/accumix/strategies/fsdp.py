@@ -208,6 +208,17 @@ class FSDPStrategy(Strategy):
         if isinstance(model, FSDPModule):
             model.reset_iter_state()
 
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        # Off the boundary FSDP2 keeps the window in unsharded gradients that only a backward
+        # with sync on reduce-scatters into the shards the optimizer steps.
+        if self._units.get(id(model)) and not self.sync_each_microstep:
+            raise ConfigError(
+                "strategy='fsdp' reduces gradients only inside a backward, and a model's last "
+                "backward of this window ran on an earlier micro-step with gradient sync off; "
+                "run a backward through every trained model on each window's last micro-step "
+                "(a zero loss works), or use FSDPStrategy(sync_each_microstep=True)"
+            )
+
     def grad_marks(self, params: list[nn.Parameter]) -> list[Any]:
         # Off the boundary FSDP2 accumulates into the *unsharded* parameters' gradients (or an
         # upcast copy of them), and the sharded ones the optimizer holds change only at the
