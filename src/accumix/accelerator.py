@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import boundary, checkpoint, fault, window_end
+from accumix import boundary, checkpoint, fault, oom_split, window_end
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.batch_sizes import batch_geometry
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
@@ -48,20 +48,15 @@ from accumix.micro_batch_search import (
     is_auto,
     parse_memory_limit,
 )
-from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
+from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
+from accumix.precision.loss_scale import check_loss_scale_use
 from accumix.strategies import Strategy, resolve_strategy
 from accumix.strategies.base import params_of
 from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
 
 log = logging.getLogger("accumix")
-
-_SCHEDULER_TYPES: tuple[type, ...] = (
-    torch.optim.lr_scheduler.LRScheduler,
-    torch.optim.lr_scheduler.ReduceLROnPlateau,
-)
-
 
 class _MicroStep:
     """The context of ``acc.accumulate()``; a class rather than a generator for speed."""
@@ -140,18 +135,11 @@ class Accelerator:
         self.device = pick_device(self.launch)
         init_process_group(self.launch, self.device, timeout)
         self.policy = resolve_policy(precision, self.device)
-        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
-            raise ConfigError(
-                f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None"
-            )
+        check_loss_scale_use(loss_scale, precision=precision, chosen=self.policy.name,
+                             scales=self.policy.needs_loss_scaling)
+        scaler: DynamicLossScale | NoLossScale = NoLossScale()
         if self.policy.needs_loss_scaling:
-            scaler: DynamicLossScale | NoLossScale = loss_scale or DynamicLossScale()
-        elif loss_scale is not None and precision != "auto":
-            raise ConfigError(
-                f"loss_scale is only used by precision='fp16-mixed', not {self.policy.name!r}"
-            )
-        else:
-            scaler = NoLossScale()
+            scaler = loss_scale or DynamicLossScale()
         self.strategy = resolve_strategy(strategy, self.launch)
         # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
         self._auto_strategy = strategy == "auto" and self.launch.world_size > 1
@@ -251,7 +239,7 @@ class Accelerator:
         for obj in objects:
             if id(obj) in self._set_up:
                 raise ConfigError(f"{type(obj).__name__} was already set up; set it up once")
-            if not isinstance(obj, (nn.Module, Optimizer, DataLoader, *_SCHEDULER_TYPES)):
+            if not (isinstance(obj, (nn.Module, Optimizer, DataLoader)) or is_scheduler(obj)):
                 raise ConfigError(
                     f"cannot set up a {type(obj).__name__}; pass nn.Module, torch.optim "
                     "optimizers, LR schedulers and DataLoaders"
@@ -292,7 +280,7 @@ class Accelerator:
                 result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt),
                                                        owner)
         for obj in objects:
-            if isinstance(obj, _SCHEDULER_TYPES):
+            if is_scheduler(obj):
                 result[id(obj)] = self._wrap_scheduler(obj)
         self._set_up.update(id(o) for o in objects)
         out = tuple(result[id(o)] for o in objects)
@@ -469,6 +457,27 @@ class Accelerator:
         self.strategy.backward(loss * multiplier if multiplier != 1.0 else loss,
                                self._models[0] if self._models else None)
         boundary.record_backward(self, before, num_items)
+
+    def run_micro_batch(self, step_fn: Any, batch: Any) -> Any:
+        """Forward and backward of one micro-batch, with the out-of-memory safety net.
+
+        Call it inside ``with acc.accumulate():`` instead of the forward and ``acc.backward``.
+        A micro-batch whose forward raises ``torch.OutOfMemoryError`` is cut into pieces that
+        run in the same micro-step, on every rank alike: the same gradient, the same window and
+        optimizer step, one log line (``oom_split``).
+
+        Args:
+            step_fn: ``step_fn(batch) -> mean_loss | (loss_sum, num_items)``; a mean loss must
+                be the mean over the batch's rows (first dimension).
+            batch: the micro-batch: a tensor, or dicts/lists/tuples of tensors, rows first.
+
+        Returns:
+            ``step_fn``'s result for the whole micro-batch (the pieces' combined, if split).
+
+        Raises:
+            torch.OutOfMemoryError: not even one row fits (on every rank).
+        """
+        return oom_split.run_micro_batch(self, step_fn, batch)
 
     def _finalize(self, optimizers: list[AcceleratedOptimizer]) -> None:
         boundary.finalize(self, optimizers)

@@ -92,8 +92,29 @@ class AcceleratedOptimizer(Optimizer):
         self.__dict__.update(state)
 
 
+def is_scheduler(obj: Any) -> bool:
+    """A torch LR scheduler, or one on timm's protocol (``step_update(num_updates)`` per
+    optimizer step, ``step(epoch)`` at epoch ends, an ``optimizer``, state dicts)."""
+    import torch
+
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,
+                            torch.optim.lr_scheduler.ReduceLROnPlateau)) or _is_timm_like(obj)
+
+
+def _is_timm_like(obj: Any) -> bool:
+    return all(callable(getattr(obj, name, None)) for name in (
+        "step_update", "step", "state_dict", "load_state_dict")) and isinstance(
+        getattr(obj, "optimizer", None), Optimizer)
+
+
 class AcceleratedScheduler:
-    """An LR scheduler that advances only when its optimizer really stepped in this window."""
+    """An LR scheduler that advances only when its optimizer really stepped in this window.
+
+    A scheduler on timm's protocol: ``step_update`` goes through once per real optimizer step
+    (never on a skipped fp16 step), with ``num_updates`` = ``acc.optimizer_steps`` whatever
+    the loop passes (a count of micro-steps or of skipped steps would be wrong), and
+    ``step(epoch)`` goes through as called (an epoch end is one whatever its last step did).
+    """
 
     def __init__(self, scheduler: Any, optimizer: AcceleratedOptimizer | None,
                  accelerator: Accelerator) -> None:
@@ -103,13 +124,27 @@ class AcceleratedScheduler:
         self._stepped_window = -1
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if _is_timm_like(self.scheduler):
+            self.scheduler.step(*args, **kwargs)
+            return
+        if self._advances():
+            self.scheduler.step(*args, **kwargs)
+
+    def step_update(self, num_updates: int | None = None, metric: Any = None) -> None:
+        """timm's per-update call: once per real optimizer step, with the real step count."""
+        if self._advances():
+            self.scheduler.step_update(num_updates=self._accelerator.optimizer_steps,
+                                       metric=metric)
+
+    def _advances(self) -> bool:
+        """Whether a per-step call advances now: once per window whose step really ran."""
         window = self._accelerator._window.index
         if self._optimizer is not None and self._optimizer.stepped_window != window:
-            return  # off the boundary, or the fp16 step was skipped
+            return False  # off the boundary, or the fp16 step was skipped
         if self._stepped_window == window:
-            return  # a second call in the same window (e.g. inside and after the context)
+            return False  # a second call in the same window (e.g. inside and after the context)
         self._stepped_window = window
-        self.scheduler.step(*args, **kwargs)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

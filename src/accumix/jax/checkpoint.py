@@ -118,13 +118,19 @@ def load(acc: Accelerator, path: Path, state: TrainState) -> TrainState:
 
 
 def save_model(acc: Accelerator, directory: Path, state: TrainState) -> Path:
-    """``directory/model.safetensors``: the params in float32, keys joined with dots."""
+    """``directory/model.safetensors``: the params, keys joined with dots.
+
+    Real floating leaves in float32, complex ones in complex64, integer leaves in their own
+    dtype; PRNG keys (state, not weights) are left out.
+    """
     from safetensors.numpy import save_file
 
     tensors = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
-        full = multihost_utils.process_allgather(leaf, tiled=True)
-        tensors[_dotted(key_path)] = np.ascontiguousarray(np.asarray(full, np.float32))
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            continue
+        full = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        tensors[_dotted(key_path)] = np.ascontiguousarray(full.astype(_file_dtype(full.dtype)))
     path = directory / "model.safetensors"
     if acc.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
@@ -133,7 +139,18 @@ def save_model(acc: Accelerator, directory: Path, state: TrainState) -> Path:
     return path
 
 
+def _file_dtype(dtype: np.dtype) -> Any:
+    if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+        return np.complex64
+    return np.float32 if jax.numpy.issubdtype(dtype, jax.numpy.floating) else dtype
+
+
 def _dotted(key_path: tuple[Any, ...]) -> str:
+    """``a.b.c``; a flax nnx ``Variable``'s trailing ``.value`` is dropped (flax's own flat key
+    is ``l1.kernel``, not ``l1.kernel.value``)."""
+    if key_path and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and (
+            key_path[-1].name == "value"):
+        key_path = key_path[:-1]
     parts = []
     for key in key_path:
         for attr in ("key", "name", "idx"):

@@ -98,7 +98,7 @@ class JaxSteps:
 
     @property
     def batches_per_epoch(self) -> int | None:
-        return len(self.train_loader.loader)
+        return self.train_loader.batches_per_epoch
 
     @property
     def grad_accum_steps(self) -> int:

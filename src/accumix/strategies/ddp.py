@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from accumix.compile import Compiler
+from accumix.errors import ConfigError
 from accumix.strategies.base import Strategy
 
 
@@ -27,6 +28,11 @@ class DDPStrategy(Strategy):
         static_graph: DDP's flag, for graphs that do not change between iterations.
         bucket_cap_mb: DDP's bucket size; None keeps torch's default.
         gradient_as_bucket_view: DDP's flag: gradients alias the buckets (saves a copy).
+        sync_batchnorm: BatchNorm layers normalise with the statistics of the batch over all
+            ranks (``torch.nn.SyncBatchNorm``, which torch runs on CUDA only).
+
+    Raises:
+        ConfigError: ``sync_batchnorm=True`` on a device other than CUDA (at setup).
     """
 
     name = "ddp"
@@ -38,8 +44,10 @@ class DDPStrategy(Strategy):
         static_graph: bool = False,
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__()
+        self.sync_batchnorm = sync_batchnorm
         self.ddp_kwargs: dict[str, Any] = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
@@ -51,6 +59,12 @@ class DDPStrategy(Strategy):
     def setup(
         self, model: nn.Module, optimizers: list[Optimizer]
     ) -> tuple[nn.Module, list[Optimizer]]:
+        if self.sync_batchnorm:
+            if self.device.type != "cuda":
+                raise ConfigError(f"sync_batchnorm=True needs CUDA (torch's SyncBatchNorm), not "
+                                  f"{self.device.type}; use sync_batchnorm=False on this device")
+            # The same Parameter objects move into the new layers: optimizers still hold them.
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = self.prepare_module(model)
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None

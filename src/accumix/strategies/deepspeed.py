@@ -79,6 +79,9 @@ from accumix.strategies.deepspeed_engine import (
     partition_grads,
     skip_cpu_shm_build,
 )
+from accumix.strategies.memory_format import make_parameters_contiguous_
+from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
+from accumix.strategies.optimizer_exactness import check_deepspeed
 
 
 # -- the loss scale --------------------------------------------------------------------------
@@ -199,6 +202,11 @@ class DeepSpeedStrategy(Strategy):
             micro_batch_size=self.micro_batch_size, dp_world_size=self.dp_world_size,
             policy=self.policy, loss_scale=self._fp16, user_config=self.user_config,
         )
+        # accumix vouches for the element-wise optimizers DeepSpeed has not listed (SGD, ...);
+        # any other runs only where the user's config accepts it.
+        check_deepspeed(optimizers[0], self.user_config.get("zero_allow_untested_optimizer")
+                        is True)
+        config.setdefault("zero_allow_untested_optimizer", True)
         self._ensure_process_group()
         skip_cpu_shm_build()
         # Read before the engine takes the optimizer over (ZeRO-3 re-points its groups at flat
@@ -206,6 +214,9 @@ class DeepSpeedStrategy(Strategy):
         trained = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
         groups = deepspeed_state.group_fqns(model, optimizers[0])
         model = autocast_forward(model.to(self.device), self.policy, self.device)
+        make_parameters_contiguous_(model)  # channels_last: DeepSpeed flattens parameters
+        if self.policy.half_dtype is not None:
+            float32_norm_forward(model)  # the engine stores them in half, beside fp32 buffers
         try:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers[0],
                                               config=config)
@@ -217,6 +228,8 @@ class DeepSpeedStrategy(Strategy):
                 ) from exc
             raise
         engine.set_gradient_accumulation_boundary(True)
+        if self._distributed:
+            agree_buffers_after_forward(engine, engine.module, self.broadcast)
         self._scale_updates[id(engine)] = defer_scale_update(engine.optimizer)
         self._engines.append(engine)
         self._engine_of[id(optimizers[0])] = engine
@@ -267,6 +280,14 @@ class DeepSpeedStrategy(Strategy):
     # -- the step ------------------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return off_boundary(self._engine(model))
+
+    def piece_sync(self, model: nn.Module | None, *, boundary: bool, last: bool
+                   ) -> contextlib.AbstractContextManager[Any]:
+        # The engine's boundary (stage 1's reduction, the partitions' copy-or-add) once per
+        # window: only the last piece of a boundary micro-step is on it.
+        if boundary and not last:
+            return off_boundary(self._engine(model))
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         # The façade already divided by K (or the item hint); the engine adds only its fp16 scale.
