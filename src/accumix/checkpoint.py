@@ -39,6 +39,7 @@ from accumix import fault, rng_state, window_end
 from accumix import run_dir as layout
 from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.errors import AccumixError, CheckpointError, ConfigError
+from accumix.plain_values import plain
 from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
@@ -64,13 +65,15 @@ _STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "model
 
 
 # -- save ------------------------------------------------------------------------------------
-def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None
-               ) -> Path:
+def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None,
+               *, extra_state: dict[str, Any] | None = None) -> Path:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
     Collective. See ``Accelerator.save_state``.
     """
     _check_between_windows(acc, "save_state")
+    if extra_state is not None:
+        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
     window_end.close_window(acc, window_over=False)  # the scale the next window uses
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
@@ -102,6 +105,8 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
 
     _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
     meta = _metadata(acc, empty)
+    if extra_state is not None:
+        meta["extra_state"] = extra_state
 
     def publish() -> None:
         layout.publish(run_dir, tmp, final, meta, keep_last)
@@ -147,7 +152,9 @@ def _reset_unstepped(optimizers: list[Optimizer], empty: list[bool]) -> None:
 
 def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
     """Every scheduler's state_dict, checked to load back with ``weights_only=True``."""
-    states = [s.state_dict() for s in acc._schedulers]
+    # base_lrs copied from a numpy learning rate are numpy scalars: stored as Python numbers.
+    states = [plain(s.state_dict(), f"LR scheduler {i}'s state_dict")
+              for i, s in enumerate(acc._schedulers)]
     buffer = io.BytesIO()
     for index, (sched, state) in enumerate(zip(acc._schedulers, states, strict=True)):
         buffer.seek(0)
