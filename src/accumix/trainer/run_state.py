@@ -34,7 +34,8 @@ def state_of(trainer: Trainer) -> dict[str, Any]:
     last = trainer.last_metrics
     loss = last.loss if last is not None else trainer._saved_result.get("loss", math.nan)
     return {"trainer": {"should_stop": trainer.should_stop, "loss": loss, "epoch": trainer.epoch,
-                        "val": trainer.last_val, "evaluated_step": trainer._evaluated_step},
+                        "val": trainer.last_val, "evaluated_step": trainer._evaluated_step,
+                        "stopped_by": trainer._stopped_by},
             "callbacks": callbacks, "classes": [type(c).__name__ for c in trainer.callbacks]}
 
 
@@ -64,6 +65,18 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
             continue
         if key in saved and hasattr(callback, "load_state_dict"):
             callback.load_state_dict(saved[key])
+    # A stop a callback made is kept only while that callback, with this run's settings and its
+    # resumed state, still stops it: an EarlyStopping given more patience continues the run.
+    stopper = dict(_keyed(trainer.callbacks)).get(own.get("stopped_by")) if own else None
+    if trainer.should_stop and hasattr(stopper, "still_stops") and not stopper.still_stops():
+        trainer.should_stop = False
+    elif own:
+        trainer._stopped_by = own.get("stopped_by")
+
+
+def key_of(callbacks: list[Callback], callback: Callback) -> str:
+    """``callback``'s key among ``callbacks`` (see ``_keyed``)."""
+    return next(key for key, c in _keyed(callbacks) if c is callback)
 
 
 def _keyed(callbacks: list[Callback]) -> list[tuple[str, Callback]]:
