@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -110,6 +111,7 @@ def test_bad_settings_and_strategies_are_refused() -> None:
         WeightAveraging(decay=1.0)
     with pytest.raises(ConfigError, match="every_n_steps=0"):
         WeightAveraging(every_n_steps=0)
+    assert WeightAveraging(decay=np.float32(0.5), every_n_steps=np.int64(2)).every_n_steps == 2
 
     class Other:
         name = "deepspeed"

@@ -9,6 +9,7 @@ same world size and strategy.
 
 from __future__ import annotations
 
+import numbers
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,10 +59,10 @@ class WeightAveraging(Callback):
                  eval_with_average: bool = False) -> None:
         if not 0.0 <= float(decay) < 1.0:
             raise ConfigError(f"decay={decay!r} is invalid; use a number in [0, 1)")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) \
-                or every_n_steps < 1:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, numbers.Integral) \
+                or every_n_steps < 1:  # a numpy integer is an Integral too
             raise ConfigError(f"every_n_steps={every_n_steps!r} is invalid; use an integer >= 1")
-        self.decay, self.every_n_steps = float(decay), every_n_steps
+        self.decay, self.every_n_steps = float(decay), int(every_n_steps)
         self.eval_with_average = eval_with_average
         self.updates = 0
         self.average: list[torch.Tensor] = []
