@@ -308,16 +308,24 @@ def _allocate_optimizer_states(acc: Accelerator) -> None:
 
 @contextmanager
 def _parameters_preserved(acc: Accelerator) -> Iterator[None]:
-    """Restores every parameter and buffer (this rank's shards) after the search."""
+    """Restores every parameter and buffer (this rank's shards) after the search, and the
+    gradients that existed before it (a window in progress): the probe's backward adds into
+    them and its cleanup drops them, so each comes back as the same tensor with its values."""
     tensors = [t for model in acc._models
                for t in (*model.parameters(), *model.buffers())]
     saved = [_local(t.detach()).to("cpu", copy=True) for t in tensors]
+    params = list(dict.fromkeys(p for model in acc._models for p in model.parameters()))
+    grads = [(p, p.grad, _local(p.grad.detach()).to("cpu", copy=True))
+             for p in params if p.grad is not None]
     try:
         yield
     finally:
         with torch.no_grad():
             for tensor, copy in zip(tensors, saved, strict=True):
                 _local(tensor.detach()).copy_(copy)
+            for param, grad, copy in grads:
+                _local(grad).copy_(copy)
+                param.grad = grad
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

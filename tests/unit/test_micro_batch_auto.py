@@ -5,6 +5,7 @@ input is a one-line ConfigError."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -202,3 +203,39 @@ def test_estimate_memory_shows_the_choice_without_training(
     out = capsys.readouterr().out
     assert "micro_batch_size=auto chose 8 (K=2 on 1 rank, global 16): peak" in out
     assert "micro batch 8 x 64 tokens" in out
+
+
+def test_probe_keeps_a_window_in_progress_and_every_state() -> None:
+    """Probed mid-window after an Adam step (state, a scheduler, BatchNorm, eval mode): the
+    gradients already accumulated come back as the same tensors with the same values, and
+    nothing else moves (a plain torch copy taken before is the reference)."""
+    acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", memory_limit=2**30)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1))
+    adam = torch.optim.Adam(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(adam, 1, gamma=0.5)
+    model, optimizer = acc.setup(net, adam)
+    model(_make(4)).mean().backward()
+    adam.step()
+    scheduler.step()
+    model.eval()
+    model(_make(4)).sum().backward()  # the window in progress
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    before = [copy.deepcopy(x) for x in (grads, adam.state_dict(), scheduler.state_dict(),
+                                         model.state_dict(), torch.get_rng_state())]
+    acc.find_micro_batch_size(lambda x: model(x).mean(), _make)
+    for name, p in model.named_parameters():
+        assert p.grad is grads[name] and torch.equal(p.grad, before[0][name]), name
+    assert _same(adam.state_dict(), before[1])
+    assert scheduler.state_dict() == before[2] and not model.training
+    assert _same(model.state_dict(), before[3]) and torch.equal(torch.get_rng_state(), before[4])
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
