@@ -239,3 +239,32 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+class Narrow(Wide):
+    """Wide(1024)'s parameter count (64 x 48 + 48 + 2064 = 5184) in other shapes: 48 x 2064
+    activations a row instead of 64 x 1024."""
+
+    def __init__(self) -> None:
+        super().__init__(2064)
+        self.lin = nn.Linear(64, 48)
+
+
+def test_cache_is_not_reused_for_other_shapes_or_dtype(tmp_path: Path) -> None:
+    """Same parameter count, other shapes (Narrow) or dtype (float64): probed again, and the
+    answer is the one a run without the cache chooses."""
+    chosen = []
+    for make, run_dir in ((Wide, tmp_path), (Narrow, tmp_path), (Narrow, None),
+                          (lambda: Wide().double(), tmp_path), (lambda: Wide().double(), None)):
+        acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto",
+                             memory_limit=12_000_000)
+        net = make()
+        model, _ = acc.setup(net, torch.optim.SGD(net.parameters()))
+        dtype = next(net.parameters()).dtype
+        step = (lambda m, t: lambda x: m(x.to(t)).mean())(model, dtype)
+        acc.find_micro_batch_size(step, _make, run_dir=run_dir)
+        choice = acc.micro_batch_choice
+        chosen.append((choice.micro_batch_size, choice.probes > 0))
+    # Wide: 8 fits, 12 does not; the others need more a row: 4. Each probed (True) again.
+    assert chosen == [(8, True), (4, True), (4, True), (4, True), (4, True)]
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 3
