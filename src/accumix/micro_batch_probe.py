@@ -357,15 +357,27 @@ def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:
         ConfigError: a dataset without ``len`` and indexing (an IterableDataset).
     """
     dataset, collate = loader.dataset, loader.collate_fn
+    refusal = ConfigError(f"micro_batch_size='auto' cannot build a probe batch from "
+                          f"{type(dataset).__name__} (no len/indexing); call "
+                          "acc.find_micro_batch_size(step, make_batch) yourself")
     try:
         count = min(len(dataset), scan)
-        sizes = [sum(t.numel() for t in tree_leaves(dataset[i]) if isinstance(t, torch.Tensor))
-                 for i in range(count)]
     except (TypeError, NotImplementedError) as exc:
-        raise ConfigError(f"micro_batch_size='auto' cannot build a probe batch from "
-                          f"{type(dataset).__name__} (no len/indexing); call "
-                          "acc.find_micro_batch_size(step, make_batch) yourself") from exc
+        raise refusal from exc
     if not count:
         raise ConfigError("micro_batch_size='auto': the DataLoader's dataset is empty")
-    largest = dataset[max(range(count), key=sizes.__getitem__)]
-    return lambda n: collate([largest] * n)
+    found: list[Any] = []
+
+    def make_batch(n: int) -> Any:
+        # The scan reads samples, which may draw (augmentation): it runs at the first call,
+        # inside the probe, whose RNG capture gives every stream back; read here it would
+        # move them before the run.
+        if not found:
+            try:
+                found.append(max((dataset[i] for i in range(count)), key=lambda s: sum(
+                    t.numel() for t in tree_leaves(s) if isinstance(t, torch.Tensor))))
+            except (TypeError, NotImplementedError) as exc:
+                raise refusal from exc
+        return collate([found[0]] * n)
+
+    return make_batch

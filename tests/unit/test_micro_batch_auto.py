@@ -170,9 +170,13 @@ def test_recipe_auto_then_an_elastic_restart_on_two_ranks(tmp_path: Path) -> Non
 
 def test_trainer_chooses_with_nothing_more_and_equals_the_explicit_run() -> None:
     """The Trainer probes with its step_fn (which draws noise: the probe must give the RNG
-    back) on the loader's largest sample, re-batches the loader and trains as the run given
-    the chosen size does, bitwise."""
+    back) on the loader's largest sample (reading samples draws too: augmentation), re-batches
+    the loader and trains as the run given the chosen size does, bitwise."""
     from accumix.trainer import Trainer
+
+    class Augmented(TensorDataset):
+        def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+            return (self.tensors[0][i] + 0.1 * torch.randn(64),)
 
     def noisy(model: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
         return model(batch[0] + 0.1 * torch.randn_like(batch[0])).mean()
@@ -181,7 +185,7 @@ def test_trainer_chooses_with_nothing_more_and_equals_the_explicit_run() -> None
     for micro in ("auto", GLOBAL):
         acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size=micro, seed=0)
         net = Wide(64)
-        data = TensorDataset(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
+        data = Augmented(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
         trainer = Trainer(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.1),
                           train_loader=DataLoader(data, batch_size=5 if micro == "auto" else
                                                   micro, shuffle=True),
