@@ -10,7 +10,8 @@ The step, as the user's loop drives it (each call a no-op where it has nothing t
                                     #   backward reached them since, step or skip
         scheduler.step()            # only if the optimizer really stepped
         optimizer.zero_grad()       # only once the window's gradients have been used
-                                    # (block exit at the boundary: update the loss scale)
+                                    # (the loss scale moves once per window, after its last
+                                    #   step, in the block or after it: ``window_end.py``)
 
 With several optimizers each keeps its own window (``boundary.py``): the backward calls that
 reached its parameters, their item counts, its finalize and its step.
@@ -32,7 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import boundary, checkpoint, fault
+from accumix import boundary, checkpoint, fault, oom_split, window_end
 from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
 from accumix.batch_sizes import batch_geometry
 from accumix.compile import CompileSetting, resolve_compile, split_compiled, strip_compiled
@@ -47,20 +48,15 @@ from accumix.micro_batch_search import (
     is_auto,
     parse_memory_limit,
 )
-from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
+from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
+from accumix.precision.loss_scale import check_loss_scale_use
 from accumix.strategies import Strategy, resolve_strategy
 from accumix.strategies.base import params_of
 from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
 
 log = logging.getLogger("accumix")
-
-_SCHEDULER_TYPES: tuple[type, ...] = (
-    torch.optim.lr_scheduler.LRScheduler,
-    torch.optim.lr_scheduler.ReduceLROnPlateau,
-)
-
 
 class _MicroStep:
     """The context of ``acc.accumulate()``; a class rather than a generator for speed."""
@@ -73,6 +69,7 @@ class _MicroStep:
     def __enter__(self) -> None:
         acc = self.acc
         acc._begin_micro_step()
+        acc._micro_step_models = self.models
         if not acc._window.is_boundary:
             for model in self.models or acc._models:
                 ctx = acc.strategy.no_sync(model)
@@ -85,7 +82,7 @@ class _MicroStep:
         acc = self.acc
         acc._in_micro_step = False
         if acc._window.is_boundary:
-            acc._update_loss_scale()
+            window_end.update_loss_scale(acc)
         acc._window.end()
 
 
@@ -138,18 +135,11 @@ class Accelerator:
         self.device = pick_device(self.launch)
         init_process_group(self.launch, self.device, timeout)
         self.policy = resolve_policy(precision, self.device)
-        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
-            raise ConfigError(
-                f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None"
-            )
+        check_loss_scale_use(loss_scale, precision=precision, chosen=self.policy.name,
+                             scales=self.policy.needs_loss_scaling)
+        scaler: DynamicLossScale | NoLossScale = NoLossScale()
         if self.policy.needs_loss_scaling:
-            scaler: DynamicLossScale | NoLossScale = loss_scale or DynamicLossScale()
-        elif loss_scale is not None and precision != "auto":
-            raise ConfigError(
-                f"loss_scale is only used by precision='fp16-mixed', not {self.policy.name!r}"
-            )
-        else:
-            scaler = NoLossScale()
+            scaler = loss_scale or DynamicLossScale()
         self.strategy = resolve_strategy(strategy, self.launch)
         # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
         self._auto_strategy = strategy == "auto" and self.launch.world_size > 1
@@ -176,9 +166,8 @@ class Accelerator:
         self._set_up: set[int] = set()
         self._in_micro_step = False
         self._micro_step = _MicroStep(self, ())
-        self._decided_window = -1  # the window whose first optimizer step has been taken
-        self._counted_window = -1  # the window counted in optimizer_steps
-        self._window_found_inf: bool | None = None  # this window's overflow, once decided
+        self._micro_step_models: tuple[nn.Module, ...] = ()  # accumulate()'s (): every model
+        self._step = boundary.StepRecord()
         self.optimizer_steps = 0
         self.step_was_skipped = False
         self._micro_batch_choice: MicroBatchChoice | None = None
@@ -250,7 +239,7 @@ class Accelerator:
         for obj in objects:
             if id(obj) in self._set_up:
                 raise ConfigError(f"{type(obj).__name__} was already set up; set it up once")
-            if not isinstance(obj, (nn.Module, Optimizer, DataLoader, *_SCHEDULER_TYPES)):
+            if not (isinstance(obj, (nn.Module, Optimizer, DataLoader)) or is_scheduler(obj)):
                 raise ConfigError(
                     f"cannot set up a {type(obj).__name__}; pass nn.Module, torch.optim "
                     "optimizers, LR schedulers and DataLoaders"
@@ -279,17 +268,19 @@ class Accelerator:
             self._models.append(wrapped)
             result[id(given)] = wrapped
             for raw, opt in zip(owned, opts, strict=True):
-                result[id(raw)] = self._wrap_optimizer(opt)
+                result[id(raw)] = self._wrap_optimizer(opt, wrapped)
         for opt in optimizers:
             if id(opt) not in result:
-                if not any(_owns(self.unwrap(m), opt) for m in self._models):
+                owner = next((m for m in self._models if _owns(self.unwrap(m), opt)), None)
+                if owner is None:
                     raise ConfigError(
                         "an optimizer's parameters belong to no set-up model; "
                         "call acc.setup(model, optimizer) with its model"
                     )
-                result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt))
+                result[id(opt)] = self._wrap_optimizer(self.strategy.setup_late_optimizer(opt),
+                                                       owner)
         for obj in objects:
-            if isinstance(obj, _SCHEDULER_TYPES):
+            if is_scheduler(obj):
                 result[id(obj)] = self._wrap_scheduler(obj)
         self._set_up.update(id(o) for o in objects)
         out = tuple(result[id(o)] for o in objects)
@@ -340,8 +331,8 @@ class Accelerator:
         self.strategy = chosen
         log.info("strategy='auto' chose %s", reason)
 
-    def _wrap_optimizer(self, optimizer: Optimizer) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(optimizer, self)
+    def _wrap_optimizer(self, optimizer: Optimizer, model: nn.Module) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(optimizer, self, model)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -436,6 +427,8 @@ class Accelerator:
             )
         if self._preemption is not None and not self._loaders:
             self._preemption.at_batch()  # no set-up loader calls it between batches
+        if not self._window.micro_step:  # a new window: the last one's end comes first
+            window_end.close_window(self)
         self._in_micro_step = True
         self._window.begin()
 
@@ -463,8 +456,28 @@ class Accelerator:
         before = boundary.marks_before(self._optimizers, self.strategy)
         self.strategy.backward(loss * multiplier if multiplier != 1.0 else loss,
                                self._models[0] if self._models else None)
-        boundary.record_backward(boundary.reached(self._optimizers, before, self.strategy),
-                                 window, num_items)
+        boundary.record_backward(self, before, num_items)
+
+    def run_micro_batch(self, step_fn: Any, batch: Any) -> Any:
+        """Forward and backward of one micro-batch, with the out-of-memory safety net.
+
+        Call it inside ``with acc.accumulate():`` instead of the forward and ``acc.backward``.
+        A micro-batch whose forward raises ``torch.OutOfMemoryError`` is cut into pieces that
+        run in the same micro-step, on every rank alike: the same gradient, the same window and
+        optimizer step, one log line (``oom_split``).
+
+        Args:
+            step_fn: ``step_fn(batch) -> mean_loss | (loss_sum, num_items)``; a mean loss must
+                be the mean over the batch's rows (first dimension).
+            batch: the micro-batch: a tensor, or dicts/lists/tuples of tensors, rows first.
+
+        Returns:
+            ``step_fn``'s result for the whole micro-batch (the pieces' combined, if split).
+
+        Raises:
+            torch.OutOfMemoryError: not even one row fits (on every rank).
+        """
+        return oom_split.run_micro_batch(self, step_fn, batch)
 
     def _finalize(self, optimizers: list[AcceleratedOptimizer]) -> None:
         boundary.finalize(self, optimizers)
@@ -500,13 +513,6 @@ class Accelerator:
 
     def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
         return boundary.optimizer_step(self, optimizer, closure)
-
-    def _update_loss_scale(self) -> None:
-        """Once per window, after all of its steps: every backward and every finalize of a
-        window use one scale, however many optimizers step and in whichever order."""
-        if self._window_found_inf is not None:
-            self.strategy.scaler.update(self._window_found_inf)
-            self._window_found_inf = None
 
     # -- collectives and helpers ---------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -559,7 +565,8 @@ class Accelerator:
         return path
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None) -> Path:
+    def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None, *,
+                   extra_state: dict[str, Any] | None = None) -> Path:
         """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
 
         Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
@@ -572,15 +579,19 @@ class Accelerator:
         Args:
             run_dir: the run's directory (created if needed).
             keep_last: keep this many newest step directories, deleting older ones.
+            extra_state: a JSON-safe dict stored with the checkpoint (rank 0's), read back
+                with ``accumix.run_dir.extra_state(step_dir)``; the Trainer keeps its
+                callbacks' state there.
 
         Returns:
             The step directory written.
 
         Raises:
             AccumixError: called inside an accumulation window.
+            ConfigError: ``extra_state`` is not JSON (nothing is written).
             CheckpointError: a rank failed to write (every rank raises it).
         """
-        return checkpoint.save_state(self, run_dir, keep_last=keep_last)
+        return checkpoint.save_state(self, run_dir, keep_last=keep_last, extra_state=extra_state)
 
     def load_state(self, path: str | os.PathLike[str], *, strict: bool = True) -> Path:
         """Restores a ``save_state`` checkpoint into what was set up; training then continues

@@ -36,6 +36,7 @@ class AccumulationWindow:
     def __init__(self, grad_accum_steps: int) -> None:
         self.grad_accum_steps = grad_accum_steps
         self.micro_step = 0  # micro-steps begun in the current window
+        self.size = 0  # micro-steps of the current window, or of the last one once it ended
         self.index = -1  # windows begun so far, minus one
         self.is_boundary = False
         self.end_of_data = False  # set by a set-up loader when it yields its last batch
@@ -57,6 +58,7 @@ class AccumulationWindow:
             self.num_items = 0
             self.window_hint = self.items_hint or 1.0
         self.micro_step += 1
+        self.size = self.micro_step
         self.is_boundary = self.micro_step >= self.grad_accum_steps or self.end_of_data
         return self.is_boundary
 
@@ -81,6 +83,7 @@ class AccumulationWindow:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the counters; ``grad_accum_steps`` stays this run's setting."""
         self.micro_step, self.index, self.mode = state["micro_step"], state["index"], state["mode"]
+        self.size = self.micro_step
         items = state["num_items"]
         self.num_items = (torch.tensor(items, dtype=torch.float64)
                           if state["num_items_is_tensor"] else items)
@@ -135,7 +138,9 @@ class AccumulationWindow:
             A float in mean mode (no device work), a 0-dim tensor in item mode.
         """
         if self.mode != "items":
-            return self.grad_accum_steps / (self.micro_step * loss_scale)
+            # ``size``, not ``micro_step``: an optimizer stepped after the boundary's block
+            # finalizes after the counter was reset for the next window.
+            return self.grad_accum_steps / (self.size * loss_scale)
         items = num_items
         if grad_divisor > 1:
             if isinstance(items, torch.Tensor):

@@ -10,21 +10,26 @@ kept per optimizer rather than once per window:
 * whether its gradients still hold an unfinished window (``zero_grad`` must keep them) or may
   be cleared as torch would (on the boundary micro-step, gradients of this micro-step only);
 * whether they were finalized (unscaled, normalised, checked for inf) since their last
-  backward: every optimizer's step finalizes its own, whatever order the loop steps them in.
+  backward: every optimizer's step finalizes its own, whatever order the loop steps them in;
+* whether its model's gradients are still each rank's own (its last backward ran with sync
+  off): the boundary then reduces them once before anything reads them.
 
 With one optimizer (the common case) every backward reaches it and nothing is inspected. With
 several, the backward's reach is read from the gradients themselves: a gradient that appears
 or whose version counter moves during the backward was reached (autograd accumulates in place).
+Optimizers may share parameters (one over the whole model, one over its head): a gradient is
+finalized once per backward that reached it, by whichever optimizer gets there first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accumix import window_end
 from accumix.errors import AccumixError, ConfigError
 from accumix.strategies.base import params_of
 
@@ -49,6 +54,8 @@ class WindowGrads:
     num_items: Number | torch.Tensor = 0  # items of the backward calls that reached them
     backwards: int = 0  # those backward calls
     found_inf: torch.Tensor | None = None  # the agreed overflow flag of their last finalize
+    unsynced: bool = False  # their last backward ran with their model's gradient sync off
+    zero_request: bool | None = None  # a zero_grad(set_to_none) decided at the window's end
 
     def renew(self, window: int) -> None:
         """Opens the next window's record (lazily, at the first event of that window)."""
@@ -60,17 +67,32 @@ class WindowGrads:
         """The gradients were zeroed: nothing is held, nothing is counted."""
         self.first_micro_step, self.fresh, self.finalized = 0, False, False
         self.num_items, self.backwards, self.found_inf = 0, 0, None
+        self.unsynced, self.zero_request = False, None
 
     def keeps(self, window: AccumulationWindow) -> bool:
-        """Whether ``zero_grad`` must leave the gradients alone: they hold micro-steps of a
-        window that has not reached its step. On the boundary micro-step, gradients that only
-        this micro-step produced are cleared as torch clears them (a GAN zeroes D after G's
-        backward went through it)."""
-        if self.window != window.index or self.step_taken or not self.first_micro_step:
-            return False
-        if not window.is_boundary:
-            return True
-        return self.first_micro_step < window.micro_step
+        """Whether the gradients hold micro-steps of this window that its step has not used
+        (``zero_grad`` must not simply clear them)."""
+        return self.window == window.index and not self.step_taken and bool(
+            self.first_micro_step)
+
+    def awaits_step(self, window: int) -> bool:
+        """A backward reached them in this window and neither a step nor a zero_grad followed
+        (the window's loss-scale update waits for that step)."""
+        return (self.window == window and self.backwards > 0 and not self.step_taken
+                and self.zero_request is None)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What the step knows across optimizers within one window."""
+
+    decided_window: int = -1  # the window whose first optimizer step has been taken
+    counted_window: int = -1  # the window counted in optimizer_steps
+    found_inf: torch.Tensor | None = None  # this window's overflow so far (finalize flags)
+    # id(parameter) -> (window, overflow flag) of the pass that finalized its gradient since
+    # the last backward that reached it; read only when several optimizers (which may share
+    # parameters) are set up.
+    finalized: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
 
 def marks_before(optimizers: Sequence[AcceleratedOptimizer], strategy: Strategy
@@ -82,22 +104,32 @@ def marks_before(optimizers: Sequence[AcceleratedOptimizer], strategy: Strategy
     return [strategy.grad_marks(list(params_of([o.optimizer]))) for o in optimizers]
 
 
-def reached(optimizers: Sequence[AcceleratedOptimizer], before: list[list[Any]] | None,
-            strategy: Strategy) -> list[AcceleratedOptimizer]:
-    """The optimizers whose gradients the backward just run reached."""
-    if before is None:
-        return list(optimizers)
-    out = []
+def reached(optimizers: Sequence[AcceleratedOptimizer], before: list[list[Any]],
+            strategy: Strategy) -> tuple[list[AcceleratedOptimizer], set[int]]:
+    """The optimizers whose gradients the backward just run reached, and the ids of the
+    parameters it reached."""
+    out, touched = [], set()
     for opt, marks in zip(optimizers, before, strict=True):
-        now = strategy.grad_marks(list(params_of([opt.optimizer])))
-        if any(not _same(a, b) for a, b in zip(marks, now, strict=True)):
+        params = list(params_of([opt.optimizer]))
+        now = strategy.grad_marks(params)
+        hit = {id(p) for p, a, b in zip(params, marks, now, strict=True) if not _same(a, b)}
+        if hit:
             out.append(opt)
-    return out
+            touched |= hit
+    return out, touched
 
 
-def record_backward(optimizers: Sequence[AcceleratedOptimizer], window: AccumulationWindow,
+def record_backward(acc: Accelerator, before: list[list[Any]] | None,
                     num_items: Number | torch.Tensor | None) -> None:
-    """Books one backward on the optimizers it reached."""
+    """Books one backward on the optimizers it reached (``before``: ``marks_before``)."""
+    window = acc._window
+    if before is None:
+        optimizers = list(acc._optimizers)
+    else:
+        optimizers, touched = reached(acc._optimizers, before, acc.strategy)
+        finalized = acc._step.finalized
+        for pid in touched:  # raw gradient added: to be finalized again
+            finalized.pop(pid, None)
     for opt in optimizers:
         state = opt.window_grads
         state.renew(window.index)
@@ -112,11 +144,22 @@ def record_backward(optimizers: Sequence[AcceleratedOptimizer], window: Accumula
         if not state.first_micro_step:
             state.first_micro_step = window.micro_step
         state.fresh, state.finalized = True, False
+        state.unsynced = _sync_off(acc, opt)
+        state.zero_request = None  # an earlier zero_grad of this micro-step was the loop's top
         state.backwards += 1
         if num_items is not None:
             state.num_items = state.num_items + (
                 num_items.detach().to(torch.float64) if isinstance(num_items, torch.Tensor)
                 else num_items)
+
+
+def _sync_off(acc: Accelerator, optimizer: AcceleratedOptimizer) -> bool:
+    """Whether its model's gradient sync is off in this micro-step (``accumulate()`` turns it
+    off off the boundary, for the models it was given or for every model)."""
+    if acc._window.is_boundary:
+        return False
+    models = acc._micro_step_models
+    return not models or any(m is optimizer.model for m in models)
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
@@ -182,28 +225,77 @@ class FinalizingClosure:
 
 def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> None:
     """Unscale + normalise + non-finite check in one pass, agreed, for each optimizer whose
-    gradients got a backward since their last finalize (each with its own item count)."""
+    gradients got a backward since their last finalize (each with its own item count); a
+    gradient another optimizer already finalized since its last backward is left as it is
+    (its overflow flag counts for this optimizer too)."""
     scaler, strategy, window = acc.strategy.scaler, acc.strategy, acc._window
-    for opt in optimizers:
+    due = [o for o in optimizers
+           if o.window_grads.window == window.index and o.window_grads.fresh]
+    if not due:
+        return
+    _reduce_deferred(acc, due)
+    # With one optimizer nothing is shared, and the per-parameter record is not kept.
+    ledger = acc._step.finalized if len(acc._optimizers) > 1 else None
+    for opt in due:
         state = opt.window_grads
-        if state.window != window.index or not state.fresh:
-            continue
-        factor = window.boundary_factor(
-            num_items=state.num_items,
-            backwards=state.backwards,
-            loss_scale=scaler.scale,
-            grad_divisor=strategy.grad_divisor,
-            all_reduce=strategy.all_reduce,
-            dynamic_scale=scaler.enabled,
-            device=acc.device,
-        )
-        state.found_inf = strategy.finalize_gradients(list(params_of([opt.optimizer])), factor)
-        state.fresh, state.finalized = False, True
+        params = list(params_of([opt.optimizer]))
+        flags: list[torch.Tensor] = []
+        if ledger is not None:
+            params = _unfinalized(params, ledger, window.index, flags)
+        if params or ledger is None:
+            factor = window.boundary_factor(
+                num_items=state.num_items,
+                backwards=state.backwards,
+                loss_scale=scaler.scale,
+                grad_divisor=strategy.grad_divisor,
+                all_reduce=strategy.all_reduce,
+                dynamic_scale=scaler.enabled,
+                device=acc.device,
+            )
+            found_inf = strategy.finalize_gradients(params, factor)
+            if found_inf is not None:
+                flags.append(found_inf)
+            if ledger is not None:
+                ledger.update((id(p), (window.index, found_inf)) for p in params)
+        state.found_inf = sum(flags[1:], flags[0]) if flags else None
+        state.fresh, state.finalized, state.zero_request = False, True, None
+        if state.found_inf is not None:  # the window's update sees every finalize's flag
+            record = acc._step
+            record.found_inf = state.found_inf if record.found_inf is None else (
+                record.found_inf + state.found_inf)
+
+
+def _unfinalized(params: list[torch.Tensor], ledger: dict[int, tuple[int, Any]], window: int,
+                 flags: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters whose gradients no pass finalized since their last backward; the flags
+    of the passes that finalized the others are appended to ``flags`` (each once)."""
+    out = []
+    for p in params:
+        done = ledger.get(id(p))
+        if done is None or done[0] != window:
+            out.append(p)
+        elif done[1] is not None and all(f is not done[1] for f in flags):
+            flags.append(done[1])
+    return out
+
+
+def _reduce_deferred(acc: Accelerator, due: Sequence[AcceleratedOptimizer]) -> None:
+    """One reduction per model whose last backward ran with its gradient sync off (a model
+    unused on the boundary micro-step): its gradients are each rank's own until then."""
+    models: list[Any] = []
+    for opt in due:
+        if opt.window_grads.unsynced and all(m is not opt.model for m in models):
+            models.append(opt.model)
+    for model in models:
+        acc.strategy.reduce_deferred_grads(model)
+        for opt in acc._optimizers:
+            if opt.model is model:
+                opt.window_grads.unsynced = False
 
 
 def optimizer_step(acc: Accelerator, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
     """One optimizer's step at the boundary: its own gradients finalized (each closure
-    evaluation's), its own overflow decision; the window's counters and overflow recorded.
+    evaluation's), its own overflow decision; the window's counters recorded.
 
     Returns:
         The closure's first loss (what torch's ``step(closure)`` returns), else None.
@@ -222,19 +314,18 @@ def optimizer_step(acc: Accelerator, optimizer: AcceleratedOptimizer, closure: A
     # fp16 only: one host sync to read the agreed overflow flag (GradScaler does too).
     skip = state.found_inf is not None and bool(state.found_inf.item())
     stepped = acc.strategy.optimizer_step(optimizer.optimizer, skip=skip, closure=finalizing)
-    index = acc._window.index
-    first = acc._decided_window != index
-    acc._decided_window = index
+    index, record = acc._window.index, acc._step
+    first = record.decided_window != index
+    record.decided_window = index
     # The strategy's answer: an engine may find the overflow in its own step.
     acc.step_was_skipped = (not stepped) or (not first and acc.step_was_skipped)
-    acc._window_found_inf = skip or (not first and bool(acc._window_found_inf))
-    if stepped and acc._counted_window != index:
-        acc._counted_window = index
+    if stepped and record.counted_window != index:
+        record.counted_window = index
         acc.optimizer_steps += 1
     # Applied or skipped, the step used this window's gradients: zero_grad may clear them.
-    state.step_taken = True
+    state.step_taken, state.zero_request = True, None
     if stepped:
         optimizer.stepped_window = index
-    if not acc._in_micro_step:  # stepped after the window's block: no later flush
-        acc._update_loss_scale()
+    if not acc._in_micro_step:  # stepped after the window's block: maybe its last step
+        window_end.update_loss_scale(acc)
     return finalizing.first_loss if finalizing is not None else None

@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from accumix import fault, rng_state
+from accumix import fault, rng_state, window_end
 from accumix import run_dir as layout
 from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.errors import AccumixError, CheckpointError, ConfigError
+from accumix.plain_values import plain
 from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
@@ -64,13 +65,16 @@ _STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "model
 
 
 # -- save ------------------------------------------------------------------------------------
-def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None
-               ) -> Path:
+def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None,
+               *, extra_state: dict[str, Any] | None = None) -> Path:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
     Collective. See ``Accelerator.save_state``.
     """
     _check_between_windows(acc, "save_state")
+    if extra_state is not None:
+        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
+    window_end.close_window(acc, window_over=False)  # the scale the next window uses
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
@@ -101,6 +105,8 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
 
     _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
     meta = _metadata(acc, empty)
+    if extra_state is not None:
+        meta["extra_state"] = extra_state
 
     def publish() -> None:
         layout.publish(run_dir, tmp, final, meta, keep_last)
@@ -146,7 +152,9 @@ def _reset_unstepped(optimizers: list[Optimizer], empty: list[bool]) -> None:
 
 def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
     """Every scheduler's state_dict, checked to load back with ``weights_only=True``."""
-    states = [s.state_dict() for s in acc._schedulers]
+    # base_lrs copied from a numpy learning rate are numpy scalars: stored as Python numbers.
+    states = [plain(s.state_dict(), f"LR scheduler {i}'s state_dict")
+              for i, s in enumerate(acc._schedulers)]
     buffer = io.BytesIO()
     for index, (sched, state) in enumerate(zip(acc._schedulers, states, strict=True)):
         buffer.seek(0)
@@ -203,6 +211,7 @@ def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
 def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = True) -> Path:
     """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
     _check_between_windows(acc, "load_state")
+    window_end.close_window(acc)  # nothing of the last window applies to the loaded state
     step_dir: Path | None = None
     meta: dict[str, Any] = {}
     rng: dict[str, Any] = {}

@@ -70,12 +70,16 @@ class Agreement:
 
 @contextmanager
 def checkpoint_hooks(acc: Accelerator, agreement: Agreement) -> Iterator[None]:
-    """A checkpoint before each communicating unit's forward and before its backward."""
+    """A checkpoint before each communicating unit's forward, after it and before its
+    backward."""
 
     def before_forward(_module: nn.Module, _args: Any) -> None:
         agreement.checkpoint()
 
     def after_forward(_module: nn.Module, _args: Any, output: Any) -> None:
+        # Prepended: before a strategy's own post-forward hook, which may communicate (fsdp and
+        # deepspeed broadcast rank 0's BatchNorm buffers there, strategies/norm_layers.py).
+        agreement.checkpoint()
         tensors = [t for t in tree_leaves(output)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         for tensor in tensors:

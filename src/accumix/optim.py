@@ -6,7 +6,8 @@ on every micro-step; these wrappers let only the meaningful calls through:
 * ``step()`` runs the Accelerator's boundary step (unscale, agree, step or skip) at a boundary
   and does nothing elsewhere;
 * ``zero_grad()`` does nothing while this optimizer's gradients hold an unfinished window, so it
-  may be called at the top of the loop or after the step alike;
+  may be called at the top of the loop or after the step alike (a window whose step the loop
+  skipped is cleared by the window's end);
 * the scheduler advances once per real optimizer step: never on a skipped fp16 step, never K or
   world-size times per step (accelerate #963, #1382).
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
 from torch.optim import Optimizer
 
+from accumix import window_end
 from accumix.boundary import WindowGrads
 
 if TYPE_CHECKING:
@@ -26,18 +29,14 @@ if TYPE_CHECKING:
 class AcceleratedOptimizer(Optimizer):
     """The user's optimizer, stepped by the Accelerator. Shares its state and param groups."""
 
-    def __init__(self, optimizer: Optimizer, accelerator: Accelerator) -> None:
+    def __init__(self, optimizer: Optimizer, accelerator: Accelerator,
+                 model: nn.Module | None = None) -> None:
         # Optimizer.__init__ is skipped on purpose: state and groups stay the inner optimizer's.
         self.optimizer = optimizer
         self._accelerator = accelerator
+        self.model = model  # the set-up model whose parameters it steps
         self.window_grads = WindowGrads()  # what its gradients hold in the current window
         self.stepped_window = -1  # index of the last window whose step really ran
-
-    @property
-    def pending(self) -> bool:
-        """Whether its gradients hold micro-steps of a window that has not reached its step
-        (``zero_grad`` then keeps them)."""
-        return self.window_grads.keeps(self._accelerator._window)
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -69,10 +68,10 @@ class AcceleratedOptimizer(Optimizer):
         return self._accelerator._optimizer_step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears gradients, unless they hold a window that has not been stepped yet."""
-        if not self.pending:
-            self._accelerator.strategy.zero_grad(self.optimizer, set_to_none)
-            self.window_grads.clear()
+        """Clears gradients, unless they hold a window that has not been stepped yet; on the
+        boundary micro-step, a window the loop did not step is cleared by its end at the
+        latest (``window_end.zero_grad``)."""
+        window_end.zero_grad(self._accelerator, self, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -93,8 +92,29 @@ class AcceleratedOptimizer(Optimizer):
         self.__dict__.update(state)
 
 
+def is_scheduler(obj: Any) -> bool:
+    """A torch LR scheduler, or one on timm's protocol (``step_update(num_updates)`` per
+    optimizer step, ``step(epoch)`` at epoch ends, an ``optimizer``, state dicts)."""
+    import torch
+
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,
+                            torch.optim.lr_scheduler.ReduceLROnPlateau)) or _is_timm_like(obj)
+
+
+def _is_timm_like(obj: Any) -> bool:
+    return all(callable(getattr(obj, name, None)) for name in (
+        "step_update", "step", "state_dict", "load_state_dict")) and isinstance(
+        getattr(obj, "optimizer", None), Optimizer)
+
+
 class AcceleratedScheduler:
-    """An LR scheduler that advances only when its optimizer really stepped in this window."""
+    """An LR scheduler that advances only when its optimizer really stepped in this window.
+
+    A scheduler on timm's protocol: ``step_update`` goes through once per real optimizer step
+    (never on a skipped fp16 step), with ``num_updates`` = ``acc.optimizer_steps`` whatever
+    the loop passes (a count of micro-steps or of skipped steps would be wrong), and
+    ``step(epoch)`` goes through as called (an epoch end is one whatever its last step did).
+    """
 
     def __init__(self, scheduler: Any, optimizer: AcceleratedOptimizer | None,
                  accelerator: Accelerator) -> None:
@@ -104,13 +124,27 @@ class AcceleratedScheduler:
         self._stepped_window = -1
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if _is_timm_like(self.scheduler):
+            self.scheduler.step(*args, **kwargs)
+            return
+        if self._advances():
+            self.scheduler.step(*args, **kwargs)
+
+    def step_update(self, num_updates: int | None = None, metric: Any = None) -> None:
+        """timm's per-update call: once per real optimizer step, with the real step count."""
+        if self._advances():
+            self.scheduler.step_update(num_updates=self._accelerator.optimizer_steps,
+                                       metric=metric)
+
+    def _advances(self) -> bool:
+        """Whether a per-step call advances now: once per window whose step really ran."""
         window = self._accelerator._window.index
         if self._optimizer is not None and self._optimizer.stepped_window != window:
-            return  # off the boundary, or the fp16 step was skipped
+            return False  # off the boundary, or the fp16 step was skipped
         if self._stepped_window == window:
-            return  # a second call in the same window (e.g. inside and after the context)
+            return False  # a second call in the same window (e.g. inside and after the context)
         self._stepped_window = window
-        self.scheduler.step(*args, **kwargs)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

@@ -19,7 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.testing import spawn
+from tests import window_jobs as wj
 from tests import workloads as w
+from tests.multi_model import max_diff
 
 # find_spec, not importorskip: importing DeepSpeed here would cost the test process seconds.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -279,8 +281,27 @@ def _fp16_refused() -> str:
     return "no error"
 
 
+def _step_forms() -> dict[str, Any]:
+    """Issue 20: optimizer.step() after the block (item 9: mean mode divided by zero), and a
+    window whose last backward ran before its boundary micro-step, refused (item 2: the engine
+    failed with KeyError 0)."""
+    out: dict[str, Any] = {}
+    data = wj.after_block_data(world=2)
+    for items in (False, True):
+        params, steps = wj.after_block_accumix(data, items, ax.DeepSpeedStrategy(stage=2))
+        out[f"after_block/{items}"] = (
+            max_diff(wj.after_block_reference(data, items), params), steps)
+    out["refused"] = wj.skipped_boundary_backward(ax.DeepSpeedStrategy(stage=2))
+    try:  # item 4: a window the loop does not step cannot be discarded (the engine kept it)
+        wj.skip_accumix(wj.skip_data(), "loss", strategy=ax.DeepSpeedStrategy(stage=2))
+        out["skip_refused"] = "no error"
+    except ax.ConfigError as exc:
+        out["skip_refused"] = str(exc)
+    return out
+
+
 def _all_checks(tmp: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"equivalence": _equivalence(tmp)}
+    out: dict[str, Any] = {"equivalence": _equivalence(tmp), "step_forms": _step_forms()}
     from deepspeed.accelerator import get_accelerator
 
     if not get_accelerator().is_fp16_supported():
@@ -296,6 +317,14 @@ def _all_checks(tmp: str) -> dict[str, Any]:
 def test_deepspeed_two_ranks(tmp_path: Path) -> None:
     results = spawn(_all_checks, nprocs=2, args=(str(tmp_path),))
     for rank, r in enumerate(results):
+        forms = r["step_forms"]
+        for items in (False, True):
+            diff, steps = forms[f"after_block/{items}"]
+            assert diff < TOL and steps == 3, (rank, items, forms)
+        assert forms["refused"].startswith("strategy='deepspeed' reduces gradients only in a "
+                                           "backward on the window's last micro-step"), forms
+        assert forms["skip_refused"].startswith("strategy='deepspeed' clears gradients only "
+                                                "inside optimizer.step()"), forms
         eq = r["equivalence"]
         for stage in STAGES:
             s = eq[stage]

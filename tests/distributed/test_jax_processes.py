@@ -2,7 +2,8 @@
 
 One job trains ddp and fsdp on 2 processes x 2 CPU devices against the one-device large batch
 and saves fsdp's state mid-run, then trains from a torch DataLoader sharded per process and
-saves mid-epoch; new processes resume both bitwise; one process loads the first resharded.
+saves mid-epoch, then chooses micro_batch_size='auto' (the minimum over processes); new
+processes resume both bitwise; one process loads the first resharded.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
         assert r["ddp"] < 1e-6 and r["fsdp"] < 1e-6, r
     meta = json.loads((tmp_path / "run" / "step-2" / "meta.json").read_text())
     assert (meta["num_processes"], meta["num_devices"], meta["strategy"]) == (2, 4, "fsdp")
+    # Windows of 2 and 1 micro-batches on the two processes (mean mode): the large batch of
+    # all 3, the same params on both (before: 0.073 apart); strategy='single' refused.
+    assert all(r["uneven_mean"] < 1e-6 for r in trained), [r["uneven_mean"] for r in trained]
+    assert trained[0]["uneven_params"] == trained[1]["uneven_params"]
+    assert [r["uneven_items"] for r in trained] == [3 * 4, 3 * 4]
+    assert [r["single"] for r in trained] == [
+        "strategy='single' cannot run in a world of 2 processes; use 'ddp' (or 'auto'), or "
+        "launch one process"] * 2
 
     # The same job's DataLoader run: each process's loader takes its shard; the global windows
     # equal the two shards side by side (short last window included).
@@ -56,6 +65,10 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     assert all(r["max_diff"] < 1e-6 for r in loader), [r["max_diff"] for r in loader]
     meta = json.loads((tmp_path / "loader-run" / "step-3" / "meta.json").read_text())
     assert (meta["loader"]["epoch"], meta["loader"]["position"]) == (1, 2)
+
+    # micro_batch_size='auto': process 1's smaller memory_limit decides for both.
+    assert [r["chosen"] for r in _results(tmp_path, "auto")] == [4, 4]
+    assert [r["grad_accum_steps"] for r in _results(tmp_path, "auto")] == [4, 4]
 
     _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "resume"], devices=2)
     resumed = _results(tmp_path, "resume")

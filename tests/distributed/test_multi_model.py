@@ -1,13 +1,17 @@
 """Issue 15 on 2 ranks with ddp (gloo): the GAN orders, two models' own item counts and an
 LBFGS closure equal plain PyTorch on the gathered batch; fp16 item mode's first window does
-not overflow. One spawned job runs them all."""
+not overflow. Issue 20: overlapping optimizers (ddp), a model unused on the boundary micro-step
+(reduced once on ddp and zero1, refused on fsdp unless a zero loss reaches it there) and
+stepping after the block (ddp). One spawned job runs them all."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import accumix as ax
 from accumix.testing import spawn
 from tests import multi_model as mm
+from tests import window_jobs as wj
 
 TOL = 1e-6
 
@@ -29,11 +33,39 @@ def _ddp_checks() -> dict[str, Any]:
     out["lbfgs_losses"] = max(abs(a - b) for a, b in zip(ref_losses, losses, strict=True))
     # fp16 item mode's first window (ranks with 64 and 48 items): no step skipped
     out["fp16_items_skipped"] = float(sum(mm.fp16_item_run(items=True, strategy="ddp")[0]))
+    out.update(_issue20_checks(world))
+    return out
+
+
+def _issue20_checks(world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    data = wj.overlap_data(world)
+    ref_params, ref_norms = wj.overlap_reference(data, steps=2, clip=0.5)
+    params, norms = wj.overlap_accumix(data, steps=2, clip=0.5, strategy="ddp")
+    out["overlap"] = mm.max_diff(ref_params, params)
+    out["overlap_norms"] = max(abs(a - b) for a, b in zip(ref_norms, norms, strict=True))
+    alternate = wj.alternate_data(world)
+    ref = wj.alternate_reference(alternate)
+    for strategy in ("ddp", "zero1"):
+        out[f"alternate/{strategy}"] = mm.max_diff(ref, wj.alternate_accumix(alternate, strategy))
+    out["alternate/fsdp/zero_loss"] = mm.max_diff(
+        ref, wj.alternate_accumix(alternate, "fsdp", zero_loss=True))
+    out["refused/fsdp"] = wj.alternate_accumix(alternate, "fsdp")
+    out["refused/fsdp_sync_each"] = mm.max_diff(ref, wj.alternate_accumix(
+        alternate, ax.FSDPStrategy(sync_each_microstep=True)))
+    after = wj.after_block_data(world)
+    for items in (False, True):
+        params, steps = wj.after_block_accumix(after, items, strategy="ddp")
+        out[f"after_block/{items}"] = mm.max_diff(wj.after_block_reference(after, items), params)
+        out[f"after_block/{items}/steps"] = float(steps != 3)
     return out
 
 
 def test_multi_model_steps_on_two_ddp_ranks() -> None:
     results = spawn(_ddp_checks, nprocs=2)
     for rank, result in enumerate(results):
+        refused = result.pop("refused/fsdp")
+        assert refused.startswith("strategy='fsdp' reduces gradients only inside a backward"), (
+            rank, refused)
         bad = {k: v for k, v in result.items() if not v <= TOL}
         assert not bad, f"rank {rank}: {bad}"

@@ -75,3 +75,15 @@ def test_ddp_over_nccl_equals_reference() -> None:
     for rank_params in results:
         got = [torch.tensor(p).view_as(r) for p, r in zip(rank_params, ref, strict=True)]
         assert w.max_diff(ref, got) < 1e-5
+
+
+def test_sync_batchnorm_converts_and_trains() -> None:
+    acc = ax.Accelerator(strategy=ax.DDPStrategy(sync_batchnorm=True), precision="fp32")
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.setup(model, opt)
+    assert isinstance(acc.unwrap(model)[1], torch.nn.SyncBatchNorm)
+    with acc.accumulate():
+        acc.backward(model(torch.randn(2, 3, 5, 5, device=acc.device)).square().mean())
+        opt.step()
+    assert acc.optimizer_steps == 1

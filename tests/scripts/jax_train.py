@@ -109,6 +109,57 @@ def train_with_loader(out: Path, mode: str) -> None:
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
 
 
+def uneven_and_single(result: dict[str, object]) -> None:
+    """Mean mode, ddp: process 0 passes a window of 2 micro-batches, process 1 of 1 (the end of
+    an uneven stream); the update must equal the large batch of all 3 and be the same on both
+    processes (SGD: Adam's first step hides a wrong scale). Then strategy='single' on 2
+    processes must be refused."""
+    import optax
+
+    acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=K)
+    state = acc.setup(w.init_params(), optax.sgd(0.5))
+    step = acc.train_step(w.mean_loss)
+    batches = w.micro_batches(3, rows=ROWS, seed=13)  # one process's rows each
+    state, metrics = step(state, batches[:2] if jax.process_index() == 0 else batches[2:])
+    local = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state.params)
+    big = w.concat(batches)
+    grads = jax.grad(lambda p: w.mean_loss(p, big, None))(w.init_params())
+    ref = jax.tree.map(lambda p, g: p - 0.5 * g, w.init_params(), grads)
+    result["uneven_mean"] = w.max_diff(local, ref)
+    result["uneven_params"] = {k: v.tolist() for k, v in flat(local).items()}
+    result["uneven_items"] = int(jax.device_get(metrics["num_items"]))
+    try:
+        axj.Accelerator(strategy="single", precision="fp32", grad_accum_steps=K)
+        result["single"] = None
+    except axj.ConfigError as exc:
+        result["single"] = str(exc)
+
+
+def auto_choice(out: Path) -> None:
+    """micro_batch_size='auto' with a smaller memory_limit on process 1: both take its choice
+    (4 of 2/4/8/16 rows per process), though process 0's limit fits every candidate."""
+    from accumix.jax.micro_batch import window_peak_bytes
+    from accumix.micro_batch_search import DEFAULT_HEADROOM
+
+    def rows(n: int):
+        return w.micro_batches(1, rows=n, seed=3)[0]
+
+    # The peaks from the compiled step (every process makes the Accelerator: it is collective).
+    probe = axj.Accelerator(strategy="ddp", precision="fp32", global_batch_size=32,
+                            micro_batch_size="auto", memory_limit=10**9)
+    state = probe.setup(w.init_params(), w.optimizer())
+    peaks = [window_peak_bytes(probe, state, w.item_loss, rows, m, clip_norm=None)
+             for m in (4, 8)]
+    # Process 1: 4 fits, 8 does not; process 0: everything fits.
+    limit = int(sum(peaks) / 2 / (1 - DEFAULT_HEADROOM)) if jax.process_index() == 1 else 10**9
+    acc = axj.Accelerator(strategy="ddp", precision="fp32", global_batch_size=32,
+                          micro_batch_size="auto", memory_limit=limit)
+    state = acc.setup(w.init_params(), w.optimizer())
+    chosen = acc.find_micro_batch_size(state, w.item_loss, rows)
+    (out / f"auto-{jax.process_index()}.json").write_text(json.dumps(
+        {"chosen": chosen, "grad_accum_steps": acc.grad_accum_steps}))
+
+
 def main(out: Path, mode: str, saved_processes: int) -> None:
     if mode == "mismatch":
         try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
@@ -157,9 +208,13 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
         now = flat(gathered)
         result["bitwise"] = all(np.array_equal(done[k], now[k]) for k in now)
         result["max_diff"] = max(float(np.max(np.abs(done[k] - now[k]))) for k in now)
+    if mode == "train" and acc.world_size > 1:
+        uneven_and_single(result)
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
     if mode in ("train", "resume") and acc.world_size > 1:
         train_with_loader(out, "loader" if mode == "train" else "loader-resume")
+    if mode == "train" and acc.world_size > 1:
+        auto_choice(out)
 
 
 if __name__ == "__main__":

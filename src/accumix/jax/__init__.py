@@ -17,6 +17,7 @@ from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.jax.accelerator import Accelerator, TrainStep
 from accumix.jax.checkpoint import CheckpointError
 from accumix.jax.data import Window
+from accumix.jax.loss_output import Loss
 from accumix.jax.loss_scale import LossScaleState
 from accumix.jax.precision import JaxPolicy
 from accumix.jax.state import TrainState
@@ -39,6 +40,7 @@ __all__ = [
     "FSDPStrategy",
     "JaxPolicy",
     "JaxStrategy",
+    "Loss",
     "LossScaleError",
     "LossScaleState",
     "SingleStrategy",

@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,22 @@ from jax.sharding import PartitionSpec as P
 
 from accumix.batch_sizes import derive_grad_accum_steps
 from accumix.errors import ConfigError
-from accumix.jax import checkpoint, distributed
+from accumix.jax import checkpoint, distributed, trainable
 from accumix.jax.data import Window, WindowLoader, canonical, make_window
 from accumix.jax.loss_scale import LossScaleRule
+from accumix.jax.micro_batch import device_total_bytes, find
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
 from accumix.jax.strategies import AXIS, JaxStrategy, choose_auto, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
-from accumix.precision.loss_scale import DynamicLossScale
+from accumix.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    check_micro_batch_word,
+    is_auto,
+    parse_memory_limit,
+)
+from accumix.precision.loss_scale import DynamicLossScale, check_loss_scale_use
 
 log = logging.getLogger("accumix")
 
@@ -51,7 +59,10 @@ class Accelerator:
             sizes, else 1.
         global_batch_size: samples per optimizer step over all processes.
         micro_batch_size: samples per micro-step of one process (a set-up DataLoader's
-            ``batch_size`` by default).
+            ``batch_size`` by default); ``"auto"``: the largest that fits, chosen from the
+            compiled step by ``find_micro_batch_size`` (``accumix.jax.micro_batch``).
+        memory_limit: what ``"auto"`` may use per device: bytes, or a percentage such as
+            ``"90%"`` of the device's memory; None: the device's (required on CPU).
         loss_scale: an ``ax.DynamicLossScale`` for fp16; None uses its defaults.
         seed: the PRNG key's seed (and python's, numpy's, torch's if loaded), the same on every
             process.
@@ -66,9 +77,10 @@ class Accelerator:
         precision: str = "auto",
         grad_accum_steps: int | None = None,
         global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | str | None = None,
         loss_scale: DynamicLossScale | None = None,
         seed: int = 0,
+        memory_limit: int | str | None = None,
     ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"seed={seed!r} is invalid; use an integer")
@@ -77,16 +89,15 @@ class Accelerator:
         self._strategy_word = strategy
         self._strategy = resolve_jax_strategy(strategy)
         self.policy = resolve_jax_policy(precision, jax.devices()[0].platform)
-        if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
-            raise ConfigError(
-                f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None")
-        if loss_scale is not None and not self.policy.needs_loss_scaling and precision != "auto":
-            raise ConfigError(
-                f"loss_scale is only used by precision='fp16-mixed', not {self.policy.name!r}")
+        check_loss_scale_use(loss_scale, precision=precision, chosen=self.policy.name,
+                             scales=self.policy.needs_loss_scaling)
         self.scaler = LossScaleRule(
             (loss_scale or DynamicLossScale()) if self.policy.needs_loss_scaling else None)
+        check_micro_batch_word(micro_batch_size, global_batch_size)
+        self._memory_limit = parse_memory_limit(memory_limit, device_total=device_total_bytes())
         self._batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
-        self._grad_accum_steps = self._derive_steps(micro_batch_size)
+        self._grad_accum_steps = self._derive_steps(
+            None if is_auto(micro_batch_size) else micro_batch_size)
         self.seed = seed
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -198,12 +209,14 @@ class Accelerator:
             self._strategy = choose_auto(num, precision=self.policy.name)
         self._optimizer = optimizer
         strategy = self.strategy
-        params = self.policy.cast_to_param(jax.tree.map(np.asarray, params))
+        params = self.policy.cast_to_param(jax.tree.map(_host_value, params))
         param_sh = jax.tree.map(lambda x: strategy.sharding(strategy.param_spec(x)), params)
         params = jax.tree.map(_global_array, params, param_sh)
-        opt_shape = jax.eval_shape(optimizer.init, params)
+        # The optimizer sees the trainable leaves only (integer leaves and keys are carried).
+        init = lambda p: optimizer.init(trainable.select(p, p))  # noqa: E731
+        opt_shape = jax.eval_shape(init, params)
         opt_sh = jax.tree.map(lambda x: strategy.sharding(strategy.opt_spec(x)), opt_shape)
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+        opt_state = jax.jit(init, out_shardings=opt_sh)(params)
         replicated = strategy.sharding(P())
         scaler, seed = self.scaler, self.seed
         loss_scale, step, rng = jax.jit(
@@ -219,6 +232,22 @@ class Accelerator:
             return state
         return state, self._wrap_loader(loader)
 
+    def find_micro_batch_size(self, state: TrainState, loss_fn: LossFn,
+                              make_batch: Callable[[int], Any], *,
+                              clip_norm: float | None = None,
+                              headroom: float = DEFAULT_HEADROOM) -> int:
+        """``micro_batch_size="auto"``: the choice read from the compiled step (never run); K
+        follows. Collective. Arguments and errors: ``accumix.jax.micro_batch.find``."""
+        choice = find(self, state, loss_fn, make_batch, clip_norm=clip_norm, headroom=headroom)
+        self._batch_sizes = (self._batch_sizes[0], self._batch_sizes[1], choice.micro_batch_size)
+        self._grad_accum_steps = choice.grad_accum_steps
+        return choice.micro_batch_size
+
+    def setup_loader(self, loader: Any) -> WindowLoader:
+        """A torch ``DataLoader`` as windows of K batches (``setup``'s third argument, for a
+        loader set up after ``find_micro_batch_size``: its ``batch_size`` must be the choice)."""
+        return self._wrap_loader(loader)
+
     def _wrap_loader(self, loader: Any) -> WindowLoader:
         if not (hasattr(loader, "dataset") and hasattr(loader, "batch_sampler")):
             raise ConfigError(f"cannot set up a {type(loader).__name__} as a loader; pass a "
@@ -228,6 +257,10 @@ class Accelerator:
         from accumix.data import AcceleratedDataLoader
 
         micro = self._batch_sizes[2]
+        if is_auto(micro):
+            raise ConfigError("micro_batch_size='auto' is chosen before the loader: call "
+                              "acc.find_micro_batch_size(state, loss_fn, make_batch), then "
+                              "acc.setup_loader(loader) with that batch_size")
         if micro is not None and loader.batch_size not in (None, micro):
             raise ConfigError(f"DataLoader batch_size={loader.batch_size} differs from "
                               f"micro_batch_size={micro}; make them equal")
@@ -296,18 +329,23 @@ class Accelerator:
 
     # -- checkpoints and weights -----------------------------------------------------------
     def save_state(self, run_dir: str | os.PathLike[str], state: TrainState,
-                   keep_last: int | None = None) -> Path:
+                   keep_last: int | None = None, *,
+                   extra_state: dict[str, Any] | None = None) -> Path:
         """Writes ``run_dir/step-N`` (N = ``state.step``) atomically, then ``run_dir/latest``.
 
         The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
         sharded; each process's host RNGs and the set-up loader's epoch and position go
-        beside it. Collective: every process calls it, between windows.
+        beside it; ``extra_state`` (JSON-safe, process 0's) goes into ``meta.json``, read back
+        with ``accumix.run_dir.extra_state``. Collective: every process calls it, between
+        windows.
 
         Raises:
             LossScaleError: fp16 overflowed at the floor (nothing is written).
+            ConfigError: ``extra_state`` is not JSON (nothing is written).
         """
         self.check(state)
-        return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last)
+        return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last,
+                               extra_state=extra_state)
 
     def load_state(self, path: str | os.PathLike[str], state: TrainState) -> TrainState:
         """The state saved at ``path`` (a run directory's latest, or one step directory),
@@ -366,6 +404,19 @@ class EvalStep:
         return self.jitted(state, arrays, weights)
 
 
-def _global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def _host_value(leaf: Any) -> Any:
+    """A params leaf on the host (numpy); a PRNG key stays a key (numpy cannot hold one)."""
+    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+        return leaf
+    return np.asarray(leaf)
+
+
+def _global_array(value: Any, sharding: NamedSharding) -> jax.Array:
     """A global array from a value every process holds whole (each takes its shards)."""
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # as raw bits, rewrapped
+        impl = jax.random.key_impl(value)
+        bits = np.asarray(jax.random.key_data(value))
+        data = jax.make_array_from_callback(bits.shape, NamedSharding(
+            sharding.mesh, P(*sharding.spec, None)), lambda index: bits[index])
+        return jax.random.wrap_key_data(data, impl=impl)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

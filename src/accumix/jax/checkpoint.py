@@ -45,11 +45,14 @@ def _checkpointer() -> Any:
     return ocp.StandardCheckpointer()
 
 
-def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int | None) -> Path:
+def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int | None,
+         extra_state: dict[str, Any] | None = None) -> Path:
     """Writes ``run_dir/step-<state.step>`` atomically, then ``latest``. Collective."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
+    if extra_state is not None:
+        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
     run_dir = run_dir.absolute()
     step = int(jax.device_get(state.step))
     final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"
@@ -75,6 +78,8 @@ def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int |
             "num_processes": jax.process_count(),
             "loader": loader.state_dict() if loader is not None else None,
         }
+        if extra_state is not None:
+            meta["extra_state"] = extra_state
         layout.publish(run_dir, tmp, final, meta, keep_last)
     _sync(f"accumix-save-published-{step}")
     return final
@@ -113,13 +118,19 @@ def load(acc: Accelerator, path: Path, state: TrainState) -> TrainState:
 
 
 def save_model(acc: Accelerator, directory: Path, state: TrainState) -> Path:
-    """``directory/model.safetensors``: the params in float32, keys joined with dots."""
+    """``directory/model.safetensors``: the params, keys joined with dots.
+
+    Real floating leaves in float32, complex ones in complex64, integer leaves in their own
+    dtype; PRNG keys (state, not weights) are left out.
+    """
     from safetensors.numpy import save_file
 
     tensors = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
-        full = multihost_utils.process_allgather(leaf, tiled=True)
-        tensors[_dotted(key_path)] = np.ascontiguousarray(np.asarray(full, np.float32))
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            continue
+        full = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        tensors[_dotted(key_path)] = np.ascontiguousarray(full.astype(_file_dtype(full.dtype)))
     path = directory / "model.safetensors"
     if acc.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
@@ -128,7 +139,18 @@ def save_model(acc: Accelerator, directory: Path, state: TrainState) -> Path:
     return path
 
 
+def _file_dtype(dtype: np.dtype) -> Any:
+    if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+        return np.complex64
+    return np.float32 if jax.numpy.issubdtype(dtype, jax.numpy.floating) else dtype
+
+
 def _dotted(key_path: tuple[Any, ...]) -> str:
+    """``a.b.c``; a flax nnx ``Variable``'s trailing ``.value`` is dropped (flax's own flat key
+    is ``l1.kernel``, not ``l1.kernel.value``)."""
+    if key_path and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and (
+            key_path[-1].name == "value"):
+        key_path = key_path[:-1]
     parts = []
     for key in key_path:
         for attr in ("key", "name", "idx"):

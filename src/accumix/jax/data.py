@@ -1,8 +1,9 @@
 """Windows: K micro-batches of this process's rows as one global array, plus a validity mask.
 
 A window is ``[K, rows, ...]`` per leaf, sharded over the mesh's data axis
-(``jax.make_array_from_process_local_data``: each process hands only its rows), and a ``[K]``
-mask. A short window (the end of an epoch) is padded with zeros and masked, so its shapes, and
+(``jax.make_array_from_process_local_data``: each process hands only its rows), a ``[K]``
+mask, and the ``[K, devices]`` mask the step reads (processes may pass windows of different
+lengths). A short window (the end of an epoch) is padded with zeros and masked, so its shapes, and
 the compiled step, stay the same. A torch ``DataLoader`` set up with the state goes through
 ``accumix.data.AcceleratedDataLoader`` (the torch side's sampler rules, epochs, and exact
 mid-epoch position) and comes out as windows.
@@ -28,10 +29,13 @@ log = logging.getLogger("accumix")
 @jax.tree_util.register_dataclass
 @dataclass
 class Window:
-    """One optimizer step's data: ``batch`` leaves ``[K, rows, ...]`` and ``mask`` ``[K]``."""
+    """One optimizer step's data: ``batch`` leaves ``[K, rows, ...]``, ``mask`` ``[K]`` (this
+    process's real micro-steps) and ``device_mask`` ``[K, devices]`` (every device's, which the
+    step reads; None: ``mask`` holds for every device)."""
 
     batch: Any
     mask: jax.Array
+    device_mask: jax.Array | None = None
 
 
 def canonical(value: Any) -> np.ndarray:
@@ -82,8 +86,12 @@ def make_window(micro_batches: list[Any], *, grad_accum_steps: int, strategy: Ja
     mask = np.arange(grad_accum_steps) < k
     rows = strategy.sharding(P(None, AXIS))
     arrays = [jax.make_array_from_process_local_data(rows, a) for a in stacked]
+    # One column per device: each process marks its own micro-steps, so processes that pass
+    # windows of different lengths (the end of an uneven stream) are each masked right.
+    device_mask = np.repeat(mask[:, None], local_devices, axis=1)
     return Window(batch=jax.tree.unflatten(treedef, arrays),
-                  mask=jax.make_array_from_process_local_data(strategy.sharding(P()), mask))
+                  mask=jax.make_array_from_process_local_data(strategy.sharding(P()), mask),
+                  device_mask=jax.make_array_from_process_local_data(rows, device_mask))
 
 
 def to_numpy(batch: Any) -> Any:
@@ -117,7 +125,19 @@ class WindowLoader:
         self._is_last = is_last
 
     def __len__(self) -> int:
-        return -(-len(self.loader) // self.grad_accum_steps)
+        """The windows one epoch yields (the dropped short batch counts in none of them)."""
+        return -(-self.batches_per_epoch // self.grad_accum_steps)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """This process's batches that one epoch really uses: a final batch shorter than
+        ``batch_size`` is dropped (it would recompile the step)."""
+        inner, batches = self.loader.loader, len(self.loader)
+        if inner.batch_size is None or inner.drop_last:
+            return batches
+        sampler = getattr(inner, "sampler", None)
+        samples = len(sampler) if hasattr(sampler, "__len__") else len(inner.dataset)
+        return batches - (1 if samples % inner.batch_size else 0)
 
     def __iter__(self) -> Iterator[Window]:
         group: list[Any] = []

@@ -1,13 +1,15 @@
 """The window step: K micro-steps, one gradient reduction, one optimizer update, one jit.
 
     params_c = cast(params)                      # once per window, outside the scan
-    shard_map over the "data" axis (each device its rows):
+    shard_map over the "data" axis (each device its rows and its column of the mask):
         full = gather(params_c)                  # fsdp only
         scan over the K micro-batches:           # masked ones (a short window) cost a cond
-            g_i = grad(scale * loss_i)           # item mode in fp16: scale * loss_sum_i / n_i
-            acc += float32(g_i)                  #   (then x n_i: fp16 range, exact sum)
+            g_i = grad(scale * loss_i)           # float leaves only; integer leaves, keys carried
+            acc += float32(g_i)                  # (complex64 for complex params); item mode in
+                                                 #   fp16: scale * loss_sum_i / n_i, then x n_i
         grads = psum | psum_scatter(acc)         # ONE reduction per window, after the scan
-    grads /= scale * (N items | k micro-steps x D devices)   # one division, at the end
+    grads /= scale * (N items | valid micro-steps over devices)   # one division, at the end
+                                                 # (no items: zero gradients, not 0/0)
     found_inf = not all(isfinite(grads))         # global: every device decides alike
     norm = global_norm(grads); clip               # torch's clip_grad_norm_ coefficient
     params, opt_state = found_inf ? kept : optax update    # bit-identical when skipped
@@ -30,7 +32,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from accumix.errors import ConfigError
+from accumix.jax import trainable
+from accumix.jax.loss_output import LossForm, read_form
 from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.precision import JaxPolicy
 from accumix.jax.state import TrainState
@@ -39,47 +42,30 @@ from accumix.jax.strategies import AXIS, JaxStrategy
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
 
-def split_loss_output(out: Any) -> tuple[Any, Any, Any]:
-    """``loss_fn``'s result as (loss, num_items or None, aux or None).
-
-    ``mean_loss`` | ``(loss_sum, num_items)`` | ``(mean_loss, aux)`` | ``(loss_sum, num_items,
-    aux)``: a 2-tuple is item mode when its second entry is a scalar, else (loss, aux).
-
-    Raises:
-        ConfigError: any other structure, or a loss that is not a scalar.
-    """
-    aux = items = None
-    if isinstance(out, (tuple, list)):
-        if len(out) == 3:
-            loss, items, aux = out
-        elif len(out) == 2 and _is_scalar(out[1]):
-            loss, items = out
-        elif len(out) == 2:
-            loss, aux = out
-        else:
-            raise ConfigError(_BAD_OUTPUT.format(f"a {len(out)}-tuple"))
-    else:
-        loss = out
-    if not _is_scalar(loss):
-        shape = getattr(loss, "shape", type(loss).__name__)
-        raise ConfigError(_BAD_OUTPUT.format(f"a loss of shape {shape}"))
-    return loss, items, aux
-
-
-_BAD_OUTPUT = ("loss_fn(params, batch, rng) returned {}; return a scalar mean loss, "
-               "(loss_sum, num_items), or either with aux as a last element")
-
-
-def _is_scalar(x: Any) -> bool:
-    return isinstance(x, (int, float)) or (hasattr(x, "shape") and tuple(x.shape) == ())
+def loss_form(loss_fn: LossFn, params: Any, window: Any) -> LossForm:
+    """How ``loss_fn``'s result reads (traced once, abstractly, on one micro-batch)."""
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), window.batch)
+    return read_form(loss_fn, params, micro, jax.random.key(0))
 
 
 def is_item_mode(loss_fn: LossFn, params: Any, window: Any) -> bool:
-    """Whether ``loss_fn`` returns ``(loss_sum, num_items)`` (traced once, abstractly)."""
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), window.batch)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    out = jax.eval_shape(loss_fn, shapes, micro, jax.random.key(0))
-    return split_loss_output(out)[1] is not None
+    """Whether ``loss_fn`` returns an item count (item-weighted accumulation)."""
+    return loss_form(loss_fn, params, window).item_mode
+
+
+def accum_dtype(dtype: Any) -> Any:
+    """The gradient accumulator's dtype: float32 at least, complex for complex params (a float32
+    accumulator would drop the imaginary part)."""
+    return jnp.result_type(dtype, jnp.float32)
+
+
+def count_dtype(items: Any) -> Any:
+    """The window's item count: integer counts stay integers (exact past 2**24, where float32
+    rounds); fractional weights sum in float32."""
+    dtype = getattr(items, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
+        return jax.dtypes.canonicalize_dtype(jnp.int64)
+    return jnp.float32
 
 
 def build_step(
@@ -99,23 +85,25 @@ def build_step(
     num_devices = strategy.num_devices
 
     def local_window(params_c: Any, batch: Any, mask: jax.Array, key: jax.Array,
-                     scale: jax.Array, *, item_mode: bool) -> tuple[Any, ...]:
+                     scale: jax.Array, *, form: LossForm, train_specs: Any) -> tuple[Any, ...]:
         """One device's K micro-steps; returns the reduced sums."""
         full = strategy.gather_params(params_c, param_specs)
         device = jax.lax.axis_index(AXIS)
         first = jax.tree.map(lambda x: x[0], batch)
-        aux0 = split_loss_output(jax.eval_shape(loss_fn, full, first, key))[2]
+        _, items0, aux0 = form.split(jax.eval_shape(loss_fn, full, first, key))
+        item_mode, n_dtype = form.item_mode, count_dtype(items0)
 
         def objective(p: Any, micro: Any, k: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
-            loss, items, aux = split_loss_output(loss_fn(p, micro, k))
+            loss, items, aux = form.split(loss_fn(trainable.merge(p, full), micro, k))
             loss = loss.astype(jnp.float32)
-            items = jnp.asarray(items if item_mode else 1, jnp.float32)
+            items = jnp.asarray(items if item_mode else 1, n_dtype)
             # fp16 item mode: a summed loss x 65536 overflows; scale the sum by 1/n here and by
             # n in float32 below (the torch side divides by an items hint for the same reason).
-            per = jnp.maximum(items, 1.0) if (scaled and item_mode) else 1.0
+            per = jnp.maximum(items, 1).astype(jnp.float32) if (scaled and item_mode) else 1.0
             return loss * (scale / per), (loss, items, aux, per)
 
-        zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), full)
+        weights = trainable.select(full, full)  # integer leaves and keys take no gradient
+        zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), weights)
         zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), aux0)
 
         def micro_step(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, None]:
@@ -123,44 +111,51 @@ def build_step(
 
             def compute(_: None) -> tuple[Any, ...]:
                 k = jax.random.fold_in(jax.random.fold_in(key, index), device)
-                grad, (loss, items, aux, per) = jax.grad(objective, has_aux=True)(full, micro, k)
-                grad = jax.tree.map(lambda g: g.astype(jnp.float32) * per, grad)
+                grad, (loss, items, aux, per) = jax.grad(objective, has_aux=True)(weights,
+                                                                                   micro, k)
+                grad = jax.tree.map(lambda g: g.astype(accum_dtype(g.dtype)) * per, grad)
                 aux = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
                 return grad, loss, items, aux
 
             def skip(_: None) -> tuple[Any, ...]:
-                return zero_grads, jnp.float32(0), jnp.float32(0), zero_aux
+                return zero_grads, jnp.float32(0), jnp.zeros((), n_dtype), zero_aux
 
             grad, loss, items, aux = jax.lax.cond(valid, compute, skip, None)
             g_acc, l_acc, n_acc, a_acc = carry
             return (jax.tree.map(jnp.add, g_acc, grad), l_acc + loss, n_acc + items,
                     jax.tree.map(jnp.add, a_acc, aux)), None
 
-        carry0 = (zero_grads, jnp.float32(0), jnp.float32(0), zero_aux)
+        carry0 = (zero_grads, jnp.float32(0), jnp.zeros((), n_dtype), zero_aux)
         steps = jnp.arange(grad_accum_steps)
+        mask = mask[:, 0]  # this device's column: processes may pass windows of other lengths
         (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(micro_step, carry0, (steps, batch, mask))
-        g_sum = strategy.reduce_grads(g_sum, param_specs)
-        l_sum, n_sum, a_sum = jax.lax.psum((l_sum, n_sum, a_sum), AXIS)
-        return g_sum, l_sum, n_sum, a_sum
+        g_sum = strategy.reduce_grads(g_sum, train_specs)
+        micro_steps = jnp.sum(mask.astype(jnp.int32))
+        return g_sum, *jax.lax.psum((l_sum, n_sum, a_sum, micro_steps), AXIS)
 
     def step(state: TrainState, window: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        batch, mask = window.batch, window.mask
+        batch, mask = window.batch, window.device_mask
+        if mask is None:  # a Window built by hand: its mask holds for every device
+            mask = jnp.broadcast_to(window.mask[:, None], (grad_accum_steps, num_devices))
         params_c = policy.cast_to_compute(state.params)  # once per window, outside the scan
         rng, key = jax.random.split(state.rng)
         scale = state.loss_scale.scale
         batch_specs = jax.tree.map(lambda _: P(None, AXIS), batch)
-        item_mode = is_item_mode(loss_fn, params_c, window)  # static: fixed at trace time
-        g_sum, l_sum, n_sum, a_sum = jax.shard_map(
-            partial(local_window, item_mode=item_mode), mesh=strategy.mesh,
-            in_specs=(param_specs, batch_specs, P(), P(), P()),
-            out_specs=(param_specs, P(), P(), P()),
+        form = loss_form(loss_fn, params_c, window)  # static: fixed at trace time
+        item_mode = form.item_mode
+        train_specs = trainable.select(param_specs, state.params)
+        g_sum, l_sum, n_sum, a_sum, micro_steps = jax.shard_map(
+            partial(local_window, form=form, train_specs=train_specs), mesh=strategy.mesh,
+            in_specs=(param_specs, batch_specs, P(None, AXIS), P(), P()),
+            out_specs=(train_specs, P(), P(), P(), P()),
             check_vma=False,
         )(params_c, batch, mask, key, scale)
-        valid = jnp.sum(mask.astype(jnp.float32))
-        micro_steps = valid * num_devices
-        rows = jax.tree.leaves(batch)[0].shape[1]  # global rows of one micro-batch
-        divisor = n_sum if item_mode else micro_steps
-        grads = jax.tree.map(lambda g: g / (divisor * scale), g_sum)
+        rows = jax.tree.leaves(batch)[0].shape[1] // num_devices  # one device's rows
+        divisor = (n_sum if item_mode else micro_steps).astype(jnp.float32)
+        # A window without items (all padding) has no mean: zero gradients, as on the torch side.
+        has_items = divisor > 0
+        divisor = jnp.where(has_items, divisor, 1.0)
+        grads = jax.tree.map(lambda g: jnp.where(has_items, g / (divisor * scale), 0), g_sum)
         found_inf = jnp.asarray(False)
         if scaled:  # after an overflow at the floor, stop stepping (raised when checked)
             found_inf = ~_all_finite(grads) | state.loss_scale.floor_hit
@@ -169,9 +164,12 @@ def build_step(
             # torch.nn.utils.clip_grad_norm_'s coefficient, so both backends clip alike.
             coef = jnp.minimum(clip_norm / (grad_norm + 1e-6), 1.0)
             grads = jax.tree.map(lambda g: g * coef, grads)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        weights = trainable.select(state.params, state.params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, weights)
+        loss = l_sum / divisor
+        updates, opt_state = optimizer.update(grads, state.opt_state, weights,
+                                              **_extra_args(optimizer, loss))
+        params = trainable.merge(optax.apply_updates(weights, updates), state.params)
         if scaled:  # only fp16 can skip; elsewhere the select would cost a copy of the state
             keep = lambda new, old: jnp.where(found_inf, old, new)  # noqa: E731
             params = jax.tree.map(keep, params, state.params)
@@ -180,8 +178,8 @@ def build_step(
         new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
                                step=state.step + (~found_inf).astype(state.step.dtype), rng=rng)
         metrics = {
-            "loss": l_sum / divisor,
-            "num_items": n_sum if item_mode else valid * rows,
+            "loss": loss,
+            "num_items": n_sum if item_mode else micro_steps * rows,
             "grad_norm": grad_norm,
             "loss_scale": loss_scale.scale,
             "skipped": found_inf,
@@ -193,6 +191,14 @@ def build_step(
     metric_sharding = strategy.sharding(P())
     return jax.jit(step, donate_argnums=0,
                    out_shardings=(state_shardings, metric_sharding))
+
+
+def _extra_args(optimizer: optax.GradientTransformation, loss: jax.Array) -> dict[str, Any]:
+    """``value=`` (the window's loss) for optax transforms that read it (reduce_on_plateau):
+    optax passes extra arguments through ``GradientTransformationExtraArgs`` only."""
+    if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+        return {"value": loss}
+    return {}
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -211,9 +217,10 @@ def build_eval(loss_fn: LossFn, *, strategy: JaxStrategy, policy: JaxPolicy,
     """
     param_specs = jax.tree.map(lambda s: s.spec, state_shardings.params)
 
-    def local(params_c: Any, batch: Any, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def local(params_c: Any, batch: Any, weight: jax.Array, *,
+              form: LossForm) -> tuple[jax.Array, jax.Array]:
         full = strategy.gather_params(params_c, param_specs)
-        loss, items, _ = split_loss_output(loss_fn(full, batch, None))
+        loss, items, _ = form.split(loss_fn(full, batch, None))
         rows = jax.tree.leaves(batch)[0].shape[0]
         if items is None:  # a mean over this device's rows
             loss, items = loss * rows, rows
@@ -224,7 +231,12 @@ def build_eval(loss_fn: LossFn, *, strategy: JaxStrategy, policy: JaxPolicy,
     def evaluate(state: TrainState, batch: Any, weight: jax.Array) -> tuple[jax.Array, ...]:
         params_c = policy.cast_to_compute(state.params)
         specs = jax.tree.map(lambda _: P(AXIS), batch)
-        return jax.shard_map(local, mesh=strategy.mesh, in_specs=(param_specs, specs, P(AXIS)),
+        rows = jax.tree.map(  # one device's rows, as loss_fn sees them
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // strategy.num_devices, *x.shape[1:]),
+                                           x.dtype), batch)
+        form = read_form(loss_fn, params_c, rows, None)
+        return jax.shard_map(partial(local, form=form), mesh=strategy.mesh,
+                             in_specs=(param_specs, specs, P(AXIS)),
                              out_specs=(P(), P()), check_vma=False)(params_c, batch, weight)
 
     return jax.jit(evaluate)

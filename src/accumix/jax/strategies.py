@@ -142,10 +142,11 @@ def resolve_jax_strategy(word: str | JaxStrategy) -> JaxStrategy | None:
     """The strategy for a word; None for ``"auto"`` (chosen at setup from the memory model).
 
     Raises:
-        ConfigError: ``"deepspeed"`` (a torch engine) or an unknown word.
+        ConfigError: ``"deepspeed"`` (a torch engine), an unknown word, or ``"single"`` in a
+            job of several processes.
     """
     if isinstance(word, JaxStrategy):
-        return word
+        return _one_world(word)
     if word == "deepspeed":
         raise ConfigError(
             "strategy='deepspeed' is a PyTorch engine and has no JAX backend; use 'zero1' "
@@ -157,7 +158,17 @@ def resolve_jax_strategy(word: str | JaxStrategy) -> JaxStrategy | None:
         raise ConfigError(
             f"unknown strategy {word!r} for accumix.jax; use one of {', '.join(STRATEGY_WORDS)}"
         )
-    return _CLASSES[word]()
+    return _one_world(_CLASSES[word]())
+
+
+def _one_world(strategy: JaxStrategy) -> JaxStrategy:
+    """Refuses a one-device strategy in a job of several processes: each process would train
+    its own copy apart (the torch side refuses it alike)."""
+    if strategy.name == "single" and jax.process_count() > 1:
+        raise ConfigError(
+            f"strategy='single' cannot run in a world of {jax.process_count()} processes; "
+            "use 'ddp' (or 'auto'), or launch one process")
+    return strategy
 
 
 def choose_auto(num_params: int, *, precision: str, optimizer_states: int = 2) -> JaxStrategy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,3 +123,31 @@ class NoLossScale:
 
 
 LossScaler = DynamicLossScale | NoLossScale
+
+
+def check_loss_scale_use(loss_scale: Any, *, precision: str, chosen: str, scales: bool) -> None:
+    """Validates ``loss_scale=`` against the precision that was resolved (both backends).
+
+    Args:
+        loss_scale: the user's argument (None, or a ``DynamicLossScale``).
+        precision: the user's precision word.
+        chosen: the resolved policy's name.
+        scales: whether the resolved policy scales the loss (fp16).
+
+    Raises:
+        ConfigError: not a ``DynamicLossScale``, or given with a precision word that never
+            scales. Under ``precision="auto"`` an unused one is said once in the log instead
+            (the same script may resolve to fp16 on another machine).
+    """
+    if loss_scale is None:
+        return
+    if not isinstance(loss_scale, DynamicLossScale):
+        raise ConfigError(
+            f"loss_scale={loss_scale!r} is invalid; use ax.DynamicLossScale(...) or None")
+    if scales:
+        return
+    if precision != "auto":
+        raise ConfigError(f"loss_scale is only used by precision='fp16-mixed', not {chosen!r}")
+    logging.getLogger("accumix").warning(
+        "loss_scale=%r is unused: precision='auto' chose %r, which does not scale the loss "
+        "(only 'fp16-mixed' does)", loss_scale, chosen)

@@ -23,6 +23,7 @@ from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
 from accumix.precision import LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.strategies.norm_layers import broadcast_buffers_
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -133,6 +134,16 @@ class Strategy:
         """Backward of an already multiplied (scaled, divided) loss."""
         loss.backward()
 
+    def piece_sync(self, model: nn.Module | None, *, boundary: bool, last: bool
+                   ) -> contextlib.AbstractContextManager[Any]:
+        """Gradient communication for one piece of a micro-step that ``oom_split`` cut after an
+        out-of-memory error (every rank runs the same pieces). The default keeps the
+        micro-step's own: none off the boundary; at the boundary each piece reduces, which adds
+        up (DDP re-averages gradients already equal on every rank; FSDP adds each piece's
+        reduce-scatter into the sharded gradient). A backend that must reduce once per window
+        returns its off-boundary context unless ``last``."""
+        return contextlib.nullcontext()
+
     def probe_units(self, model: nn.Module) -> list[nn.Module]:
         """The modules whose forward or backward may communicate: ``micro_batch_size="auto"``
         agrees across ranks before each (``micro_batch_probe``), so a rank that runs out of
@@ -149,6 +160,15 @@ class Strategy:
         (the probe's): afterwards the next backward starts from nothing."""
         for param in model.parameters():
             param.grad = None
+
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        """The boundary's reduction for a model whose window's last backward ran under
+        ``no_sync(model)`` (a model unused on the boundary micro-step): its gradients are still
+        each rank's own, and must not be stepped so. Called once per such model and window,
+        before the boundary pass; collective. Backends without deferred communication need
+        nothing; one that cannot reduce outside a backward raises ``ConfigError`` saying what
+        works instead.
+        """
 
     def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
@@ -209,6 +229,11 @@ class Strategy:
         """
         from accumix.dcp_state import save_sharded  # DCP's import costs ~1 s: only when used
 
+        if self._distributed:
+            # DCP writes a replicated buffer from whichever rank its de-duplication picks;
+            # the buffers that count are rank 0's (DDP broadcasts them at each forward).
+            for model in models:
+                broadcast_buffers_(self.unwrap(model), self.broadcast)
         save_sharded(directory, models, optimizers)
 
     def load_checkpoint(

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from accumix.compile import Compiler
+from accumix.errors import ConfigError
 from accumix.strategies.base import Strategy
 
 
@@ -24,6 +28,11 @@ class DDPStrategy(Strategy):
         static_graph: DDP's flag, for graphs that do not change between iterations.
         bucket_cap_mb: DDP's bucket size; None keeps torch's default.
         gradient_as_bucket_view: DDP's flag: gradients alias the buckets (saves a copy).
+        sync_batchnorm: BatchNorm layers normalise with the statistics of the batch over all
+            ranks (``torch.nn.SyncBatchNorm``, which torch runs on CUDA only).
+
+    Raises:
+        ConfigError: ``sync_batchnorm=True`` on a device other than CUDA (at setup).
     """
 
     name = "ddp"
@@ -35,8 +44,10 @@ class DDPStrategy(Strategy):
         static_graph: bool = False,
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__()
+        self.sync_batchnorm = sync_batchnorm
         self.ddp_kwargs: dict[str, Any] = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
@@ -48,6 +59,12 @@ class DDPStrategy(Strategy):
     def setup(
         self, model: nn.Module, optimizers: list[Optimizer]
     ) -> tuple[nn.Module, list[Optimizer]]:
+        if self.sync_batchnorm:
+            if self.device.type != "cuda":
+                raise ConfigError(f"sync_batchnorm=True needs CUDA (torch's SyncBatchNorm), not "
+                                  f"{self.device.type}; use sync_batchnorm=False on this device")
+            # The same Parameter objects move into the new layers: optimizers still hold them.
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = self.prepare_module(model)
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -69,3 +86,36 @@ class DDPStrategy(Strategy):
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
+
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        """What DDP's synced backward would have done, once: every gradient of the model
+        averaged over the ranks, in one flat all-reduce per gradient dtype."""
+        if isinstance(model, DistributedDataParallel):
+            average_grads_(
+                [p for p in model.parameters() if p.requires_grad], self.world_size)
+
+
+def average_grads_(params: list[nn.Parameter], world_size: int) -> None:
+    """Averages the parameters' gradients over the ranks in place, as DDP's default hook does
+    (each rank's divided by the world, then summed), in one all-reduce per (device, dtype).
+
+    A gradient that some rank lacks (a parameter unused there) counts as zero, as in DDP with
+    ``find_unused_parameters``; one that no rank has stays None. Which ranks had it travels in
+    the same buffer (a presence count after the gradients), so no second collective is needed.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = defaultdict(list)
+    for p in params:
+        groups[(p.device, p.dtype if p.grad is None else p.grad.dtype)].append(p)
+    for (device, dtype), group in groups.items():
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p, dtype=dtype)
+                  ).reshape(-1) for p in group]
+        present = torch.tensor([float(p.grad is not None) for p in group], dtype=dtype,
+                               device=device)
+        flat = torch.cat([*parts, present]).div_(world_size)
+        dist.all_reduce(flat)
+        values = flat[:-len(group)].split([part.numel() for part in parts])
+        for p, value, anywhere in zip(group, values, flat[-len(group):].tolist(), strict=True):
+            if p.grad is not None:
+                p.grad.copy_(value.view_as(p.grad))
+            elif anywhere > 0:
+                p.grad = value.view_as(p).clone()

@@ -79,6 +79,9 @@ from accumix.strategies.deepspeed_engine import (
     partition_grads,
     skip_cpu_shm_build,
 )
+from accumix.strategies.memory_format import make_parameters_contiguous_
+from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
+from accumix.strategies.optimizer_exactness import check_deepspeed
 
 
 # -- the loss scale --------------------------------------------------------------------------
@@ -161,6 +164,7 @@ class DeepSpeedStrategy(Strategy):
         self._trained: dict[int, set[int]] = {}  # id(engine) -> ids of its optimizer's params
         self._groups: dict[int, list[list[str]]] = {}  # id(engine) -> param groups' FQNs
         self._stepped: set[int] = set()  # ids of engines stepped since their last backward
+        self._unstepped: set[int] = set()  # ids of engines with a backward since their step
         self._owns_group = False
 
     def connect(self, *, launch: Any, device: torch.device, policy: Policy,
@@ -198,6 +202,11 @@ class DeepSpeedStrategy(Strategy):
             micro_batch_size=self.micro_batch_size, dp_world_size=self.dp_world_size,
             policy=self.policy, loss_scale=self._fp16, user_config=self.user_config,
         )
+        # accumix vouches for the element-wise optimizers DeepSpeed has not listed (SGD, ...);
+        # any other runs only where the user's config accepts it.
+        check_deepspeed(optimizers[0], self.user_config.get("zero_allow_untested_optimizer")
+                        is True)
+        config.setdefault("zero_allow_untested_optimizer", True)
         self._ensure_process_group()
         skip_cpu_shm_build()
         # Read before the engine takes the optimizer over (ZeRO-3 re-points its groups at flat
@@ -205,6 +214,9 @@ class DeepSpeedStrategy(Strategy):
         trained = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
         groups = deepspeed_state.group_fqns(model, optimizers[0])
         model = autocast_forward(model.to(self.device), self.policy, self.device)
+        make_parameters_contiguous_(model)  # channels_last: DeepSpeed flattens parameters
+        if self.policy.half_dtype is not None:
+            float32_norm_forward(model)  # the engine stores them in half, beside fp32 buffers
         try:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers[0],
                                               config=config)
@@ -216,6 +228,8 @@ class DeepSpeedStrategy(Strategy):
                 ) from exc
             raise
         engine.set_gradient_accumulation_boundary(True)
+        if self._distributed:
+            agree_buffers_after_forward(engine, engine.module, self.broadcast)
         self._scale_updates[id(engine)] = defer_scale_update(engine.optimizer)
         self._engines.append(engine)
         self._engine_of[id(optimizers[0])] = engine
@@ -267,11 +281,29 @@ class DeepSpeedStrategy(Strategy):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return off_boundary(self._engine(model))
 
+    def piece_sync(self, model: nn.Module | None, *, boundary: bool, last: bool
+                   ) -> contextlib.AbstractContextManager[Any]:
+        # The engine's boundary (stage 1's reduction, the partitions' copy-or-add) once per
+        # window: only the last piece of a boundary micro-step is on it.
+        if boundary and not last:
+            return off_boundary(self._engine(model))
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         # The façade already divided by K (or the item hint); the engine adds only its fp16 scale.
         engine = self._engine(model)
         engine.backward(loss, scale_wrt_gas=False)
         self._stepped.discard(id(engine))
+        self._unstepped.add(id(engine))
+
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        # The engine reduces (and fills the partitions its step reads) only in a backward at
+        # its accumulation boundary; stepping without one fails inside DeepSpeed (KeyError 0).
+        raise ConfigError(
+            "strategy='deepspeed' reduces gradients only in a backward on the window's last "
+            "micro-step, and this window's last backward ran on an earlier one; run a backward "
+            "on the last micro-step of every window (a zero loss works)"
+        )
 
     def probe_units(self, model: nn.Module) -> list[nn.Module]:
         """Refused: ZeRO reduces inside its backward's epilogue (no point to agree before it)
@@ -329,6 +361,7 @@ class DeepSpeedStrategy(Strategy):
         try:
             engine.step()
             self._stepped.add(id(engine))
+            self._unstepped.discard(id(engine))
             self._scale_updates[id(engine)]()
             if self.stage == 3:
                 clear_stage3_grad_partitions(engine.optimizer)
@@ -344,7 +377,21 @@ class DeepSpeedStrategy(Strategy):
         return bool(engine.was_step_applied())
 
     def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
-        """Nothing: the engine clears its gradients inside every step, applied or skipped."""
+        """Nothing: the engine clears its gradients inside every step, applied or skipped.
+
+        Raises:
+            ConfigError: the window's gradients are to be discarded without a step (the loop
+                skipped it): the engine keeps its reduced partitions until a step, and the
+                next window would add to them.
+        """
+        engine = self._engine_of.get(id(optimizer))
+        if engine is not None and id(engine) in self._unstepped:
+            raise ConfigError(
+                "strategy='deepspeed' clears gradients only inside optimizer.step(), and "
+                "zero_grad() was asked to discard a window that was not stepped; call "
+                "optimizer.step() on every window's boundary (under fp16 the engine skips an "
+                "overflowing one itself)"
+            )
 
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -387,6 +434,7 @@ class DeepSpeedStrategy(Strategy):
         self._trained.clear()
         self._groups.clear()
         self._stepped.clear()
+        self._unstepped.clear()
         # DeepSpeed caches a clone of the world group per process; the Accelerator may destroy
         # the world next, and an engine built later (a new Accelerator) must not use the stale
         # clone. deepspeed.comm.destroy_process_group does the same release.

@@ -124,7 +124,6 @@ def deepspeed_config(
         for key, value in fp16_block(loss_scale or DynamicLossScale()).items():
             fixed.setdefault(f"fp16.{key}", (value, "loss_scale=DynamicLossScale(...)"))
     config: dict[str, Any] = {
-        "zero_allow_untested_optimizer": True,  # any torch optimizer is the client optimizer
         "wall_clock_breakdown": False,
         "steps_per_print": None,
     }

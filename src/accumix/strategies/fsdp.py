@@ -22,6 +22,8 @@ from accumix.compile import Compiler
 from accumix.errors import ConfigError
 from accumix.memory import repeated_blocks
 from accumix.strategies.base import Strategy, grad_mark
+from accumix.strategies.memory_format import make_parameters_contiguous_
+from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_units
 
 SHARDINGS = ("full", "grad_op")
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
@@ -118,6 +120,7 @@ class FSDPStrategy(Strategy):
         model = model.to(device=self.device)
         if self.policy.param_dtype != torch.float32:
             model = model.to(dtype=self.policy.param_dtype)  # bf16-true: stored in bf16
+        make_parameters_contiguous_(model)  # channels_last: FSDP2 shards contiguous tensors
         blocks = self._blocks(model)
         if self.activation_checkpointing:
             for block in blocks:
@@ -132,6 +135,7 @@ class FSDPStrategy(Strategy):
             raise ConfigError("parallelize_fn returned a model without any fully_shard unit; "
                               "call fully_shard(module, mesh=mesh) inside it")
         self._units[id(model)] = units
+        agree_buffers_after_forward(model, model, self.broadcast)
         new_params = dict(model.named_parameters())
         for optimizer in optimizers:
             _repoint(optimizer, names, new_params)
@@ -159,10 +163,20 @@ class FSDPStrategy(Strategy):
         outer = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                      output_dtype=policy.output_dtype)
         reshard = self.sharding == "full"
+        # A norm layer with float32 running statistics keeps float32 weights under a half
+        # compute dtype (as under DDP autocast; bf16 weights beside float32 statistics are an
+        # error in torch): its own unit, gathered in float32, its bf16 input left as it comes.
+        norms = {id(m) for m in float32_norm_units(model)} if (
+            param_dtype != policy.param_dtype) else set()
+        norm_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                           cast_forward_inputs=False)
         # fully_shard goes bottom-up: a unit's parameters exclude those of units inside it.
         ids = {id(b) for b in blocks}
         for module in reversed(list(model.modules())):
-            if id(module) in ids:
+            if id(module) in norms:
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard,
+                            mp_policy=norm_policy)
+            elif id(module) in ids:
                 fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard,
                             mp_policy=inner)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=outer)
@@ -207,6 +221,17 @@ class FSDPStrategy(Strategy):
                         fp._unsharded_param.grad = None
         if isinstance(model, FSDPModule):
             model.reset_iter_state()
+
+    def reduce_deferred_grads(self, model: nn.Module) -> None:
+        # Off the boundary FSDP2 keeps the window in unsharded gradients that only a backward
+        # with sync on reduce-scatters into the shards the optimizer steps.
+        if self._units.get(id(model)) and not self.sync_each_microstep:
+            raise ConfigError(
+                "strategy='fsdp' reduces gradients only inside a backward, and a model's last "
+                "backward of this window ran on an earlier micro-step with gradient sync off; "
+                "run a backward through every trained model on each window's last micro-step "
+                "(a zero loss works), or use FSDPStrategy(sync_each_microstep=True)"
+            )
 
     def grad_marks(self, params: list[nn.Parameter]) -> list[Any]:
         # Off the boundary FSDP2 accumulates into the *unsharded* parameters' gradients (or an

@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from accumix.errors import ConfigError
 from accumix.strategies.ddp import DDPStrategy
+from accumix.strategies.optimizer_exactness import check_zero1
 
 
 class ZeRO1Strategy(DDPStrategy):
@@ -32,6 +33,7 @@ class ZeRO1Strategy(DDPStrategy):
         static_graph: DDP's flag, for graphs that do not change between iterations.
         bucket_cap_mb: DDP's bucket size; None keeps torch's default.
         gradient_as_bucket_view: DDP's flag: gradients alias the buckets (saves a copy).
+        sync_batchnorm: DDP's option (``torch.nn.SyncBatchNorm``, CUDA only).
     """
 
     name = "zero1"
@@ -44,12 +46,14 @@ class ZeRO1Strategy(DDPStrategy):
         static_graph: bool = False,
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            sync_batchnorm=sync_batchnorm,
         )
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._sources: dict[int, Optimizer] = {}  # id(ZeRO optimizer) -> the user's optimizer
@@ -75,6 +79,7 @@ class ZeRO1Strategy(DDPStrategy):
         if optimizer.state:
             raise ConfigError(f"{type(optimizer).__name__} already holds state; set it up with "
                               "its model before its first step")
+        check_zero1(optimizer)
         optimizer_class = type(optimizer)
         zero = _SharedGroupsZeRO(
             optimizer.param_groups,

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from accumix.data import move_to_device
+from accumix.errors import ConfigError
 from accumix.trainer.metrics import batch_samples, split_loss
 
 
@@ -69,19 +70,23 @@ def evaluate(
     Args:
         model: the set-up model (evaluated in ``eval()`` mode, then put back in ``train()``).
         loader: this rank's share (from ``shard_for_eval``).
-        step_fn: ``fn(model, batch)`` returning a mean loss or ``(loss_sum, num_items)``.
+        step_fn: ``fn(model, batch)`` returning a mean loss or ``(loss_sum, num_items)``, or a
+            dict of ``"loss"`` (``"num_items"``) and named ``(sum, count)`` pairs
+            (``split_named_sums``).
         accelerator: the run's Accelerator (device and all-reduce).
         max_batches: forwards every rank runs (-1: this loader's own length).
         sharded: the ranks hold different samples, so their sums are all-reduced.
 
     Returns:
-        ``{"val_loss": ..., "val_items": ...}``: the sum of losses over the sum of items (or the
-        sample-weighted mean of batch means).
+        ``{"val_loss": ..., "val_items": ..., "val_<name>": ...}``: the sum of losses over the
+        sum of items (or the sample-weighted mean of batch means), and each named sum over its
+        count.
     """
     was_training = model.training
     model.eval()
     device = accelerator.device
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    names: list[str] | None = None  # the named sums, fixed by the first batch
     last: Any = None
     iterator = iter(loader)
     index = 0
@@ -98,7 +103,17 @@ def evaluate(
                                                  collate_fn=loader.collate_fn)))
             last = batch
             batch = move_to_device(batch, device)
-            loss, items = split_loss(step_fn(model, batch))
+            output, named = split_named_sums(step_fn(model, batch))
+            if names is None:
+                names = sorted(named)
+                total = torch.cat([total, total.new_zeros(2 * len(names))])
+            elif sorted(named) != names:
+                raise ConfigError(f"the evaluation step returned sums {sorted(named)} after "
+                                  f"{names}; return the same names for every batch")
+            for i, name in enumerate(names):
+                for j, value in enumerate(named[name]):
+                    total[2 + 2 * i + j] += _as_double(value, device) * weight
+            loss, items = split_loss(output)
             if items is None:  # a batch mean: weigh it by its samples
                 items = batch_samples(batch)
                 loss = loss.detach().double() * items
@@ -110,5 +125,38 @@ def evaluate(
         model.train(was_training)
     if sharded:
         total = accelerator.reduce(total, "sum")
-    loss_sum, count = total.tolist()
-    return {"val_loss": loss_sum / count if count > 0 else math.nan, "val_items": count}
+    loss_sum, count, *sums = total.tolist()
+    result = {"val_loss": loss_sum / count if count > 0 else math.nan, "val_items": count}
+    for i, name in enumerate(names or []):
+        part, whole = sums[2 * i], sums[2 * i + 1]
+        result[f"val_{name}"] = part / whole if whole > 0 else math.nan
+    return result
+
+
+def split_named_sums(output: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
+    """An evaluation step's result as (the loss part, ``{name: (sum, count)}``).
+
+    A dict with ``"loss"`` (and optionally ``"num_items"``) may carry named sums, e.g.
+    ``{"loss": loss, "accuracy": (correct, n), "top5": (correct5, n)}``: each is summed over
+    the batches and all-reduced over the ranks with the loss (exact, as ``val_loss``), and
+    reported as ``val_<name> = sum / count``. Anything else is the loss part alone.
+
+    Raises:
+        ConfigError: a named value that is not a ``(sum, count)`` pair.
+    """
+    if not (isinstance(output, dict) and "loss" in output):
+        return output, {}
+    named = {k: v for k, v in output.items() if k not in ("loss", "num_items")}
+    for name, value in named.items():
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise ConfigError(f"the evaluation step returned {name}={value!r}; return named "
+                              "sums as (sum, count) pairs, e.g. 'accuracy': (correct, n)")
+    loss = output["loss"] if "num_items" not in output else (output["loss"],
+                                                              output["num_items"])
+    return loss, named
+
+
+def _as_double(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.tensor(float(value), dtype=torch.float64, device=device)

@@ -13,6 +13,11 @@ One optimizer step with K micro-steps fires, in order::
 
 wrapped once in ``on_fit_start`` ... ``on_fit_end`` (``on_load_checkpoint`` right after
 ``on_fit_start`` when a run resumes; ``on_exception`` instead of ``on_fit_end`` on an error).
+
+A callback that counts or remembers (a patience counter, recent losses) returns that from
+``state_dict()``; the Trainer saves it in each checkpoint (JSON: numbers, strings, lists,
+dicts; no pickles) and hands it to ``load_state_dict`` when the run resumes, before
+``on_load_checkpoint``. Callbacks are matched by class name and order.
 """
 
 from __future__ import annotations
@@ -88,3 +93,11 @@ class Callback:
 
     def on_fit_end(self, trainer: Trainer) -> None:
         """After the last step (and the final checkpoint, if checkpoints are on)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of this callback, JSON-safe (numbers, strings, lists,
+        dicts); saved in every checkpoint. Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what ``state_dict()`` returned when the checkpoint was saved."""

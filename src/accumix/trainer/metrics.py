@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from accumix.errors import ConfigError
+# The step function's result and a batch's rows are read where the safety net splits batches.
+from accumix.oom_split import batch_samples, split_loss  # noqa: F401 - re-exported
 from accumix.trainer.system_metrics import SystemSampler, system_columns
 
 # One gathered row per rank: the window's sums and this rank's own measurements (the norm is
@@ -103,43 +104,6 @@ class StepMetrics:
         }
         row.update(self.extra)
         return row
-
-
-def split_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor | int | float | None]:
-    """A step function's result as ``(loss, num_items)``; ``num_items`` is None in mean mode.
-
-    Accepts a 0-dim loss tensor (a mean), a ``(loss_sum, num_items)`` pair, or an object with a
-    ``.loss`` attribute (Hugging Face model outputs; a mean).
-
-    Raises:
-        ConfigError: anything else.
-    """
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output, None
-    if isinstance(output, (tuple, list)) and len(output) == 2:
-        loss, items = output
-        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-            return loss, items
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-        return loss, None
-    raise ConfigError(
-        f"the step function returned {type(output).__name__}; return a 0-dim mean loss tensor "
-        "or a (loss_sum, num_items) pair"
-    )
-
-
-def batch_samples(batch: Any) -> int:
-    """The number of samples in a batch: the first tensor's first dimension."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, dict) else batch
-    if isinstance(values, (list, tuple)) or isinstance(batch, dict):
-        for value in values:
-            if isinstance(value, (torch.Tensor, dict, list, tuple)):
-                return batch_samples(value)
-        return len(batch)
-    return 1
 
 
 def peak_memory_mb(device: torch.device) -> float:

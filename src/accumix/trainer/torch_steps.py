@@ -135,15 +135,20 @@ class TorchSteps:
         assert meter is not None
         trainer.dispatch("on_train_batch_start", batch)
         with acc.accumulate():
-            loss, num_items = split_loss(self.step_fn(self.model, batch))
-            meter.add(loss, num_items, batch_samples(batch))
-            trainer.dispatch("on_before_backward", loss)
-            if acc.sync_gradients:
-                meter.mark_ready()
-            if num_items is None:
-                acc.backward(loss)
+            if acc.world_size == 1 or acc.micro_batch_choice is not None:
+                # The forward and backward, split into pieces of this micro-step if out of
+                # memory (a batch longer than micro_batch_size="auto" probed).
+                loss, num_items = split_loss(acc.run_micro_batch(
+                    lambda part: self._forward(trainer, part), batch))
             else:
-                acc.backward(loss, num_items=num_items)
+                # A micro-batch the user sized: no safety net, so no agreement collective (and
+                # host sync) per micro-step in a distributed run.
+                loss, num_items = split_loss(self._forward(trainer, batch))
+                if num_items is None:
+                    acc.backward(loss)
+                else:
+                    acc.backward(loss, num_items=num_items)
+            meter.add(loss, num_items, batch_samples(batch))
             trainer.dispatch("on_after_backward")
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(trainer.grad_clip or math.inf)
@@ -164,6 +169,14 @@ class TorchSteps:
             trainer.micro_step += 1
         trainer.dispatch("on_train_batch_end", batch)
 
+    def _forward(self, trainer: Trainer, batch: Any) -> Any:
+        output = self.step_fn(self.model, batch)
+        trainer.dispatch("on_before_backward", split_loss(output)[0])
+        if self.accelerator.sync_gradients:
+            assert self._meter is not None
+            self._meter.mark_ready()  # this rank's boundary backward comes next
+        return output
+
     # -- evaluation and checkpoints --------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """The validation loss over all ranks (collective); ``{}`` without a val_loader."""
@@ -174,9 +187,9 @@ class TorchSteps:
         return evaluate(self.model, loader, self.val_step_fn, acc, max_batches=max_batches,
                         sharded=max_batches >= 0)
 
-    def save(self, run_dir: Path, keep_last: int | None) -> Path:
+    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any]) -> Path:
         kwargs = {"keep_last": keep_last} if keep_last else {}
-        written = self.accelerator.save_state(run_dir, **kwargs)
+        written = self.accelerator.save_state(run_dir, extra_state=extra_state, **kwargs)
         return Path(written) if isinstance(written, (str, Path)) else (
             run_dir / f"step-{self.accelerator.optimizer_steps}")
 

@@ -1,0 +1,61 @@
+"""Issue 20 on one process (items 1, 3, 4, 9): overlapping optimizers, fp16 with two optimizers
+stepped after the block, a window whose step the loop skips, and stepping after the block,
+each against plain PyTorch (GradScaler for the loss scale). The 2-rank checks (item 2 too) are
+in tests/distributed/test_multi_model.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import window_jobs as wj
+from tests.multi_model import max_diff
+
+TOL = 1e-6
+
+
+def test_overlapping_optimizers_finalize_shared_gradients_once() -> None:
+    """Item 1: one optimizer over the model, one over its head, item-weighted, K=2, clipped:
+    the head's gradients were rescaled by each optimizer (and clip saw them divided twice)."""
+    data = wj.overlap_data(world=1)
+    ref_params, ref_norms = wj.overlap_reference(data, steps=2, clip=0.5)
+    params, norms = wj.overlap_accumix(data, steps=2, clip=0.5)
+    assert max_diff(ref_params, params) <= TOL
+    assert norms == pytest.approx(ref_norms, abs=TOL)
+    assert max(ref_norms) > 0.5  # the clip really clips
+
+
+@pytest.mark.filterwarnings("ignore:precision='fp16-mixed' on this CPU")
+@pytest.mark.parametrize("where", ["after", "mixed", "inside"])
+def test_fp16_two_optimizers_move_the_scale_once_per_window(where: str) -> None:
+    """Item 3: the scale moved after each optimizer's step when they were stepped after the
+    block, so the second one was unscaled by the new scale and the scale doubled twice a
+    window. Now the trace and the weights are GradScaler's, wherever the steps are written
+    (with an overflow in A's gradients: A skips, B steps, the scale backs off once)."""
+    data = wj.fp16_data()
+    ref_trace, ref_params = wj.fp16_gradscaler(data)
+    trace, params = wj.fp16_accumix(data, where)
+    assert ref_trace == [512.0, 1024.0, 512.0, 1024.0, 2048.0]
+    assert trace == ref_trace
+    assert max_diff(ref_params, params) <= TOL
+
+
+@pytest.mark.parametrize("check", ["norm", "loss"])
+def test_zero_grad_clears_a_window_whose_step_the_loop_skipped(check: str) -> None:
+    """Item 4: K=2, the loop skips the step of the window with a NaN loss and calls
+    zero_grad(): the NaN gradients were kept, so every later window was skipped too."""
+    data = wj.skip_data()
+    ref_steps, ref_params = wj.skip_reference(data)
+    steps, params = wj.skip_accumix(data, check)
+    assert ref_steps == wj.SKIP_WINDOWS - 1
+    assert steps == ref_steps
+    assert max_diff(ref_params, params) <= TOL
+
+
+@pytest.mark.parametrize("items", [False, True], ids=["mean", "items"])
+def test_step_after_the_block(items: bool) -> None:
+    """Item 9: optimizer.step() after the block divided by the reset micro-step counter in
+    mean mode (ZeroDivisionError); the short last window is still divided by its true size."""
+    data = wj.after_block_data(world=1)
+    params, steps = wj.after_block_accumix(data, items)
+    assert steps == 3
+    assert max_diff(wj.after_block_reference(data, items), params) <= TOL
