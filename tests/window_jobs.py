@@ -312,3 +312,22 @@ def after_block_accumix(data: list[Any], items: bool, strategy: Any = "auto"
         sched.step()
         opt.zero_grad()
     return _params(acc.unwrap(model)), acc.optimizer_steps
+
+
+# -- item 1 (review): a backward that reaches only one of the overlapping optimizers -------------
+def partial_reach_accumix(head_first: bool) -> list[torch.Tensor]:
+    """Item mode, K=2: micro-step 1's loss goes through the whole model, micro-step 2's (an
+    auxiliary loss on the body's features) reaches the whole-model optimizer only."""
+    data = _data(micro_steps=2, n=3, seed=5)
+    acc = ax.Accelerator(precision="fp32", grad_accum_steps=2)
+    model = _net()
+    model, whole, head = acc.setup(model, *_overlap_optimizers(model))
+    for i, (x, y, weight) in enumerate(data):
+        with acc.accumulate():
+            if i == 0:
+                acc.backward(*_item_loss(model, x, y, weight))
+            else:
+                acc.backward((model[0](x) ** 2).sum(), 5)
+            for opt in (head, whole) if head_first else (whole, head):
+                opt.step()
+    return _params(acc.unwrap(model))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+import accumix as ax
+
 from tests import window_jobs as wj
 from tests.multi_model import max_diff
 
@@ -59,3 +61,13 @@ def test_step_after_the_block(items: bool) -> None:
     params, steps = wj.after_block_accumix(data, items)
     assert steps == 3
     assert max_diff(wj.after_block_reference(data, items), params) <= TOL
+
+
+@pytest.mark.parametrize("head_first", [False, True], ids=["whole-first", "head-first"])
+def test_overlapping_optimizers_reached_by_different_backwards_are_refused(
+        head_first: bool) -> None:
+    """Item 1 (review): a backward reaching the whole-model optimizer but not the head's: the
+    head's shared gradient was divided by the count of whichever optimizer stepped first
+    (head first: 7.3e-2 off plain PyTorch's one objective); now one line, either order."""
+    with pytest.raises(ax.ConfigError, match="optimizers sharing parameters were reached by"):
+        wj.partial_reach_accumix(head_first)
