@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 import accumix as ax
-
 from tests import window_jobs as wj
 from tests.multi_model import max_diff
 
