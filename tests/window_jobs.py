@@ -331,3 +331,32 @@ def partial_reach_accumix(head_first: bool) -> list[torch.Tensor]:
             for opt in (head, whole) if head_first else (whole, head):
                 opt.step()
     return _params(acc.unwrap(model))
+
+
+# -- item 3 (review): a checkpoint written while the window's scale update waits -----------------
+def pending_update_run(run_dir: str, cut: int | None, start: int = 0) -> tuple[float, list[Any]]:
+    """fp16, K=2, A's loss is inf in window 1; the loop clips A and skips its step on a
+    non-finite norm, steps B, then (``cut``: in that window) saves before ``zero_grad()``, which
+    is what the scale update waits for. ``start``: resume from ``run_dir`` at that micro-step."""
+    data = _data(micro_steps=8, n=4, seed=13)
+    scale = ax.DynamicLossScale(init_scale=256.0, growth_interval=2, hysteresis=1)
+    acc = ax.Accelerator(precision="fp16-mixed", grad_accum_steps=2, loss_scale=scale, seed=0)
+    a, b = _net(0), _net(1)
+    a, b, opt_a, opt_b = acc.setup(a, b, *(torch.optim.SGD(m.parameters(), lr=LR) for m in (a, b)))
+    if start:
+        acc.load_state(run_dir)
+    for i in range(start, len(data) if cut is None else cut + 1):
+        x, y, _ = data[i]
+        with acc.accumulate():
+            loss_a = nn.functional.mse_loss(a(x).float(), y)
+            acc.backward(loss_a * math.inf if i in (2, 3) else loss_a)
+            acc.backward(nn.functional.mse_loss(b(x).float(), y))
+        if acc.sync_gradients:
+            if torch.isfinite(acc.clip_grad_norm_(1.0, parameters=a.parameters())):
+                opt_a.step()
+            opt_b.step()
+            if i == cut:
+                acc.save_state(run_dir)
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+    return acc.loss_scale, _params(acc.unwrap(a)) + _params(acc.unwrap(b))

@@ -70,3 +70,16 @@ def test_overlapping_optimizers_reached_by_different_backwards_are_refused(
     (head first: 7.3e-2 off plain PyTorch's one objective); now one line, either order."""
     with pytest.raises(ax.ConfigError, match="optimizers sharing parameters were reached by"):
         wj.partial_reach_accumix(head_first)
+
+
+@pytest.mark.filterwarnings("ignore:precision='fp16-mixed' on this CPU")
+def test_checkpoint_between_a_skipped_window_and_its_scale_update(tmp_path) -> None:
+    """Item 3 (review): saved after B's step but before zero_grad() of the A the loop skipped
+    (what the window's scale update waits for): the update was lost on resume (scale 512
+    where the uninterrupted run has 256). Now the pending overflow is in the checkpoint."""
+    scale, params = wj.pending_update_run(str(tmp_path), cut=None)
+    wj.pending_update_run(str(tmp_path), cut=3)
+    resumed_scale, resumed = wj.pending_update_run(str(tmp_path), cut=None, start=4)
+    assert scale == 256.0
+    assert resumed_scale == scale
+    assert max_diff(params, resumed) == 0.0
