@@ -360,3 +360,34 @@ def pending_update_run(run_dir: str, cut: int | None, start: int = 0) -> tuple[f
             opt_a.zero_grad()
             opt_b.zero_grad()
     return acc.loss_scale, _params(acc.unwrap(a)) + _params(acc.unwrap(b))
+
+
+def lbfgs_items(with_accumix: bool) -> list[torch.Tensor]:
+    """LBFGS (closure, item-weighted) over a model with a parameter no loss reaches, beside a
+    second optimizer: that parameter stays finalized by LBFGS's own first evaluation while the
+    later evaluations' backward calls reach the rest."""
+    x, y, _ = _data(micro_steps=1, n=6, seed=2)[0]
+    model = nn.ModuleDict({"net": _net(), "unused": nn.Linear(2, 2)})
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    if not with_accumix:
+        for _ in range(3):
+            def closure() -> torch.Tensor:
+                lbfgs.zero_grad()
+                loss = ((model["net"](x) - y) ** 2).sum() / len(x)
+                loss.backward()
+                return loss
+            lbfgs.step(closure)
+        return _params(model)
+    acc = ax.Accelerator(precision="fp32", grad_accum_steps=1)
+    other = _net(1)
+    model, other, lbfgs, _ = acc.setup(model, other, lbfgs,
+                                       torch.optim.SGD(other.parameters(), lr=LR))
+    for _ in range(3):
+        with acc.accumulate():
+            def closure() -> torch.Tensor:
+                lbfgs.zero_grad()
+                loss_sum = ((model["net"](x) - y) ** 2).sum()
+                acc.backward(loss_sum, num_items=len(x))
+                return loss_sum / len(x)
+            lbfgs.step(closure)
+    return _params(acc.unwrap(model))

@@ -93,8 +93,8 @@ class StepRecord:
     # id(parameter) -> (window, overflow flag) of the pass that finalized its gradient since
     # the last backward that reached it; read only when several optimizers (which may share
     # parameters) are set up.
-    # and the serials of the backward calls its finalizer's count was taken over.
-    finalized: dict[int, tuple[int, torch.Tensor | None, tuple[int, ...]]] = field(
+    # the serials of the backward calls its finalizer's count was taken over, and the finalizer.
+    finalized: dict[int, tuple[int, torch.Tensor | None, tuple[int, ...], int]] = field(
         default_factory=dict)
     backward_serial: int = 0  # backward calls so far (several optimizers only)
 
@@ -248,7 +248,7 @@ def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> No
         params = list(params_of([opt.optimizer]))
         flags: list[torch.Tensor] = []
         if ledger is not None:
-            params = _unfinalized(params, ledger, window, state.reach, flags)
+            params = _unfinalized(params, ledger, window, (state.reach, id(opt)), flags)
         if params or ledger is None:
             factor = window.boundary_factor(
                 num_items=state.num_items,
@@ -263,7 +263,8 @@ def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> No
             if found_inf is not None:
                 flags.append(found_inf)
             if ledger is not None:
-                ledger.update((id(p), (window.index, found_inf, state.reach)) for p in params)
+                ledger.update((id(p), (window.index, found_inf, state.reach, id(opt)))
+                              for p in params)
         state.found_inf = sum(flags[1:], flags[0]) if flags else None
         state.fresh, state.finalized, state.zero_request = False, True, None
         if state.found_inf is not None:  # the window's update sees every finalize's flag
@@ -272,11 +273,12 @@ def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> No
                 record.found_inf + state.found_inf)
 
 
-def _unfinalized(params: list[torch.Tensor], ledger: dict[int, tuple[int, Any, Any]],
-                 window: AccumulationWindow, reach: tuple[int, ...],
+def _unfinalized(params: list[torch.Tensor], ledger: dict[int, tuple[int, Any, Any, int]],
+                 window: AccumulationWindow, who: tuple[tuple[int, ...], int],
                  flags: list[torch.Tensor]) -> list[torch.Tensor]:
     """The parameters whose gradients no pass finalized since their last backward; the flags
-    of the passes that finalized the others are appended to ``flags`` (each once).
+    of the passes that finalized the others are appended to ``flags`` (each once). ``who``:
+    this optimizer's backward serials (``WindowGrads.reach``) and ``id``.
 
     Raises:
         ConfigError: item mode, and a shared gradient was divided by the item count of other
@@ -289,7 +291,8 @@ def _unfinalized(params: list[torch.Tensor], ledger: dict[int, tuple[int, Any, A
         if done is None or done[0] != window.index:
             out.append(p)
             continue
-        if window.mode == "items" and done[2] != reach:
+        # Another optimizer's pass over other backward calls (its own earlier pass is not).
+        if window.mode == "items" and done[3] != who[1] and done[2] != who[0]:
             raise ConfigError(
                 "num_items=: optimizers sharing parameters were reached by different backward "
                 "calls in one window, so the shared gradients have no single item count; give "

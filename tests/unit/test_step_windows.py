@@ -83,3 +83,10 @@ def test_checkpoint_between_a_skipped_window_and_its_scale_update(tmp_path) -> N
     assert scale == 256.0
     assert resumed_scale == scale
     assert max_diff(params, resumed) == 0.0
+
+
+def test_one_optimizers_own_earlier_finalize_is_not_a_shared_gradient() -> None:
+    """Item 1 (review): the refusal above must not fire on an optimizer's own earlier pass
+    (LBFGS's later evaluations with a parameter no loss reaches, item mode, two optimizers):
+    it did, in one line; now LBFGS matches plain PyTorch."""
+    assert max_diff(wj.lbfgs_items(False), wj.lbfgs_items(True)) <= TOL
