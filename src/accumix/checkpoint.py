@@ -196,6 +196,9 @@ def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
             "step_was_skipped": acc.step_was_skipped,
             "window": acc._window.state_dict(),
             "scaler": acc.strategy.scaler.state_dict(),
+            # The last window's overflow when its scale update still waits for a step or a
+            # zero_grad (the save came between them): the resumed run makes that update.
+            "pending_scale_update": window_end.pending_overflow(acc),
             "models": len(acc._models),
             "optimizers": [{"stepped_window": o.stepped_window, "empty": e}
                            for o, e in zip(acc._optimizers, empty, strict=True)],
@@ -269,6 +272,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
         sched.load_state_dict(sched_state)
         sched._stepped_window = saved["stepped_window"]
     acc.strategy.scaler.load_state_dict(state["scaler"])
+    window_end.set_pending_overflow(acc, state.get("pending_scale_update"))
     acc._window.load_state_dict(state["window"])
     if steps != acc.grad_accum_steps:
         log.info("grad_accum_steps=%d restored from %s (this run was set up with %d)", steps,

@@ -8,8 +8,8 @@ One optimizer step with K micro-steps fires, in order::
 
     on_train_batch_start, on_before_backward, on_after_backward, on_train_batch_end  (K-1 times)
     on_train_batch_start, on_before_backward, on_after_backward,
-    on_before_optimizer_step, on_optimizer_step, [on_validation_end], [on_save_checkpoint],
-    on_train_batch_end
+    on_before_optimizer_step, on_optimizer_step, [on_validation_start, on_validation_end],
+    [on_save_checkpoint], on_train_batch_end
 
 wrapped once in ``on_fit_start`` ... ``on_fit_end`` (``on_load_checkpoint`` right after
 ``on_fit_start`` when a run resumes; ``on_exception`` instead of ``on_fit_end`` on an error).
@@ -39,6 +39,7 @@ EVENTS = (
     "on_before_optimizer_step",
     "on_optimizer_step",
     "on_train_batch_end",
+    "on_validation_start",
     "on_validation_end",
     "on_save_checkpoint",
     "on_load_checkpoint",
@@ -78,6 +79,9 @@ class Callback:
 
     def on_train_batch_end(self, trainer: Trainer, batch: Any) -> None:
         """After a micro-step (and after the step, the evaluation and the row at a boundary)."""
+
+    def on_validation_start(self, trainer: Trainer) -> None:
+        """Before an evaluation (``WeightAveraging`` swaps its average in here)."""
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After an evaluation; ``metrics["val_loss"]`` is the same on every rank."""

@@ -347,6 +347,7 @@ class Trainer:
         """
         if self.val_loader is None:
             return {}
+        self.dispatch("on_validation_start")
         result = self.steps.validate()
         self.last_val, self._evaluated_step = result, self.step
         self.dispatch("on_validation_end", result)
