@@ -39,7 +39,7 @@ from accumix import fault, rng_state, window_end
 from accumix import run_dir as layout
 from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.errors import AccumixError, CheckpointError, ConfigError
-from accumix.plain_values import plain
+from accumix.plain_values import numpy_floats, plain
 from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
@@ -162,7 +162,8 @@ def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
         try:
             torch.save(state, buffer)
             buffer.seek(0)
-            torch.load(buffer, weights_only=True)
+            with numpy_floats():
+                torch.load(buffer, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - pickling errors, refused globals
             raise CheckpointError(
                 f"LR scheduler {index} ({type(sched.scheduler).__name__}) has a state_dict "
@@ -388,7 +389,8 @@ def _write_tensors(path: Path, obj: Any) -> None:
 def _read_tensors(path: Path) -> Any:
     """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with numpy_floats():
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - zip errors, EOF, refused globals
         raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); "
                               f"{alternatives(path.parent)}") from exc

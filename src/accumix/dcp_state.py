@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from accumix import fault
 from accumix.errors import CheckpointError
-from accumix.plain_values import plain
+from accumix.plain_values import numpy_floats, plain
 
 
 def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer]) -> None:
@@ -205,7 +205,8 @@ class _SafePlanner(DefaultLoadPlanner):
     planner unpickles them with ``weights_only=False``."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        obj = torch.load(value, weights_only=True)
+        with numpy_floats():
+            obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 

@@ -4,8 +4,10 @@ A learning rate computed with numpy (``lr = base * np.sqrt(bs / 256)``) is a ``n
 pickled as a numpy scalar, which ``weights_only`` loading refuses, so a checkpoint holding one
 in a param group (or in a scheduler's ``base_lrs``) was written and could never be loaded.
 Numpy scalars are stored as the Python numbers they equal (bit for bit: a ``float64`` is a
-Python float, a ``float32`` widens exactly); any other object a safe load cannot rebuild is
-refused before anything is written, naming where it sits.
+Python float), except ``float32`` and ``float16`` ones: a scheduler multiplies them in their own
+precision (``lr * gamma``), so as Python floats a resumed schedule drifted from the
+uninterrupted one; they are kept and read back under ``numpy_floats()``. Any other object a
+safe load cannot rebuild is refused before anything is written, naming where it sits.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from accumix.errors import ConfigError
 
+_KEPT = (np.float32, np.float16)  # their arithmetic is not a Python float's
 _ATOMS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
@@ -34,6 +37,8 @@ def plain(obj: Any, where: str) -> Any:
             cannot rebuild.
     """
     if isinstance(obj, torch.Tensor) or type(obj) in _ATOMS:
+        return obj
+    if type(obj) in _KEPT:
         return obj
     if isinstance(obj, np.generic) and obj.shape == ():
         return obj.item()
@@ -53,12 +58,22 @@ def plain(obj: Any, where: str) -> Any:
     return obj
 
 
+def numpy_floats() -> Any:
+    """The context a ``weights_only`` load reads ``float32``/``float16`` numpy scalars in
+    (numpy's scalar constructor and those two dtypes only)."""
+    from numpy._core.multiarray import scalar
+
+    return torch.serialization.safe_globals(
+        [scalar, np.dtype, np.dtypes.Float32DType, np.dtypes.Float16DType])
+
+
 def _check_loads(obj: Any, where: str) -> None:
     buffer = io.BytesIO()
     try:
         torch.save(obj, buffer)
         buffer.seek(0)
-        torch.load(buffer, weights_only=True)
+        with numpy_floats():
+            torch.load(buffer, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - pickling errors, refused globals
         raise ConfigError(
             f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint "

@@ -188,6 +188,29 @@ def test_numpy_hyper_parameters_save_and_resume_exactly(reference: dict[str, tor
     assert lrs_loaded == [0.1 * np.sqrt(2.0)]
 
 
+def _build_float32_lr(acc: ax.Accelerator) -> tuple[Any, ...]:
+    """``build``'s job with float32 numpy hyper-parameters (a config read into ``np.float32``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=np.float32(0.1))
+    sched = lrs.StepLR(opt, step_size=1, gamma=np.float32(0.7))
+    loader = DataLoader(dataset(), batch_size=2, shuffle=True)
+    return acc.setup(model, opt, loader, sched)
+
+
+def test_float32_hyper_parameters_resume_their_schedule_exactly(tmp_path: Path) -> None:
+    # StepLR multiplies a float32 lr by a float32 gamma in float32; saved as Python floats the
+    # resumed run multiplied in float64: its last lr was 0.00033232922804... instead of the
+    # uninterrupted float32 chain's 0.00033232921850867 (and a float, not a float32).
+    expected, acc = _job(_build_float32_lr)
+    lr = acc._optimizers[0].param_groups[0]["lr"]
+    assert type(lr) is np.float32 and lr == np.float32(0.1) * np.float32(0.7) ** 16
+    _job(_build_float32_lr, run_dir=tmp_path, save_at={5}, stop_at=5)
+    resumed, acc = _job(_build_float32_lr, load=tmp_path)
+    back = acc._optimizers[0].param_groups[0]["lr"]
+    assert (type(back), float(back)) == (np.float32, float(lr)) and _equal(resumed, expected)
+
+
 def test_a_hyper_parameter_a_safe_load_cannot_read_is_refused_at_save(tmp_path: Path) -> None:
     acc = _acc()
     objects = _build_numpy_lr(acc, tag=Fraction(1, 3))

@@ -318,3 +318,50 @@ def test_callbacks_state_resumes_with_the_run(tmp_path: Path) -> None:
     with pytest.raises(ax.ConfigError, match="callback Opaque's state_dict"):
         trainer.fit()
     assert not list((tmp_path / "opaque").glob("step-*"))
+
+
+def test_callbacks_of_a_class_added_or_removed_keep_their_own_state(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Two Counting callbacks (2 and 102 steps seen) saved; the user removes the first. Matched
+    # by class name and order, the one left loaded the removed one's 2 (then 3, not 1).
+    data = w.regression_data(48)
+
+    def run(max_steps: int, callbacks: list[Counting]) -> None:
+        trainer, _ = make_trainer(data, w.mean_loss, k=1, micro=4, lr=0.05, max_steps=max_steps,
+                                  checkpoint_every=1, run_dir=tmp_path, callbacks=callbacks)
+        trainer.fit()
+
+    first, second = Counting(), Counting()
+    second.seen = 100
+    run(2, [first, second])
+    assert (first.seen, second.seen) == (2, 102)
+    # The same callbacks in the same order resume their own state.
+    again = [Counting(), Counting()]
+    run(3, again)
+    assert [c.seen for c in again] == [3, 103]
+    left = Counting()
+    with caplog.at_level("WARNING"):
+        run(4, [left])
+    assert left.seen == 1 and "had 2 Counting callback(s), this run has 1" in caplog.text
+
+
+def test_a_run_early_stopping_ended_continues_when_its_patience_is_raised(
+        tmp_path: Path) -> None:
+    # Stopped at step 4 by patience=3 and resumed with patience=6, the run stayed stopped (step
+    # 4); the uninterrupted patience=6 run stops at step 7, which the resume now reaches too.
+    data = w.regression_data(48)
+
+    def run(patience: int, run_dir: Path | None) -> tuple[Any, Trainer]:
+        stopping = EarlyStopping(monitor="loss", patience=patience, min_delta=1e9)
+        trainer, _ = make_trainer(data, w.mean_loss, k=1, micro=4, lr=0.05, max_steps=20,
+                                  checkpoint_every=1, run_dir=run_dir, callbacks=[stopping])
+        return trainer.fit(), trainer
+
+    whole, reference = run(6, None)
+    assert run(3, tmp_path)[0].step == 4
+    resumed, trainer = run(6, tmp_path)
+    assert (whole.step, resumed.step) == (7, 7)
+    assert all(torch.equal(a, b) for a, b in zip(reference.model.parameters(),
+                                                  trainer.model.parameters(), strict=True))
+    assert run(6, tmp_path)[0].step == 7  # stopped with patience 6: stays stopped
+    assert run(3, tmp_path)[0].step == 7

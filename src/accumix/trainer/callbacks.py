@@ -221,6 +221,11 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.bad_checks = state["best"], int(state["bad_checks"])
 
+    def still_stops(self) -> bool:
+        """A run this callback stopped stays stopped when resumed (its patience may have been
+        raised since)."""
+        return self.bad_checks >= self.patience
+
     def _check(self, trainer: Trainer, value: float) -> None:
         sign = 1.0 if self.mode == "min" else -1.0
         if self.best is None or sign * (self.best - value) > self.min_delta:

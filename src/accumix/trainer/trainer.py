@@ -187,6 +187,7 @@ class Trainer:
         self._saved_step = -1
         self._evaluated_step = -1
         self._warned_no_checkpoint = False
+        self._stopped_by: str | None = None  # the key of the callback that stopped the run
         self._saved_result: dict[str, Any] = {}  # the loaded checkpoint's loss and epoch
         del acc
 
@@ -232,7 +233,10 @@ class Trainer:
     def dispatch(self, event: str, *args: Any) -> None:
         """Calls ``event`` on every callback, in order."""
         for callback in self.callbacks:
+            stopped = self.should_stop
             getattr(callback, event)(self, *args)
+            if self.should_stop and not stopped:  # who stopped the run, for a resume
+                self._stopped_by = run_state.key_of(self.callbacks, callback)
 
     # -- the run -----------------------------------------------------------------------------
     def fit(self) -> FitResult:
