@@ -35,6 +35,27 @@ class BlockNet(nn.Module):
         return self.head(h)
 
 
+class TorchBlockNet(nn.Module):
+    """Three blocks that are torch's own modules (issue 20.11): ``nn.Sequential(nn.Linear,
+    nn.GELU)`` or ``nn.TransformerEncoderLayer``, between an input and a head."""
+
+    def __init__(self, kind: str, width: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU()) if kind == "sequential"
+            else nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0)
+            for _ in range(3))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
 def reset_dynamo() -> None:
     torch._dynamo.reset()
     counters.clear()
@@ -46,9 +67,10 @@ def frames() -> int:
 
 
 def train(*, strategy: str, how: str, precision: str = "fp32", samples: int = 40,
-          backend: str = "eager") -> dict[str, Any]:
+          backend: str = "eager", blocks: str = "custom") -> dict[str, Any]:
     """Trains ``BlockNet`` one epoch; ``how``: ``eager``, ``wrapped`` (``acc.setup(
-    torch.compile(model))``) or ``flag`` (``Accelerator(compile={...})``).
+    torch.compile(model))``) or ``flag`` (``Accelerator(compile={...})``); ``blocks``:
+    ``custom`` (``BlockNet``) or ``TorchBlockNet``'s ``sequential`` or ``transformer``.
 
     With 40 samples in micro-batches of 4, one process sees windows of 3, 3, 3 and 1 micro-steps
     and each of 2 ranks windows of 3 and 2: every run has a short last window.
@@ -60,7 +82,7 @@ def train(*, strategy: str, how: str, precision: str = "fp32", samples: int = 40
         ``save_model`` wrote, rank 0 only).
     """
     reset_dynamo()
-    user = BlockNet()
+    user = BlockNet() if blocks == "custom" else TorchBlockNet(blocks)
     model: nn.Module = torch.compile(user, backend=backend) if how == "wrapped" else user
     acc = ax.Accelerator(strategy=strategy, precision=precision, grad_accum_steps=K,
                          compile={"backend": backend} if how == "flag" else None)

@@ -312,3 +312,82 @@ def after_block_accumix(data: list[Any], items: bool, strategy: Any = "auto"
         sched.step()
         opt.zero_grad()
     return _params(acc.unwrap(model)), acc.optimizer_steps
+
+
+# -- item 1 (review): a backward that reaches only one of the overlapping optimizers -------------
+def partial_reach_accumix(head_first: bool) -> list[torch.Tensor]:
+    """Item mode, K=2: micro-step 1's loss goes through the whole model, micro-step 2's (an
+    auxiliary loss on the body's features) reaches the whole-model optimizer only."""
+    data = _data(micro_steps=2, n=3, seed=5)
+    acc = ax.Accelerator(precision="fp32", grad_accum_steps=2)
+    model = _net()
+    model, whole, head = acc.setup(model, *_overlap_optimizers(model))
+    for i, (x, y, weight) in enumerate(data):
+        with acc.accumulate():
+            if i == 0:
+                acc.backward(*_item_loss(model, x, y, weight))
+            else:
+                acc.backward((model[0](x) ** 2).sum(), 5)
+            for opt in (head, whole) if head_first else (whole, head):
+                opt.step()
+    return _params(acc.unwrap(model))
+
+
+# -- item 3 (review): a checkpoint written while the window's scale update waits -----------------
+def pending_update_run(run_dir: str, cut: int | None, start: int = 0) -> tuple[float, list[Any]]:
+    """fp16, K=2, A's loss is inf in window 1; the loop clips A and skips its step on a
+    non-finite norm, steps B, then (``cut``: in that window) saves before ``zero_grad()``, which
+    is what the scale update waits for. ``start``: resume from ``run_dir`` at that micro-step."""
+    data = _data(micro_steps=8, n=4, seed=13)
+    scale = ax.DynamicLossScale(init_scale=256.0, growth_interval=2, hysteresis=1)
+    acc = ax.Accelerator(precision="fp16-mixed", grad_accum_steps=2, loss_scale=scale, seed=0)
+    a, b = _net(0), _net(1)
+    a, b, opt_a, opt_b = acc.setup(a, b, *(torch.optim.SGD(m.parameters(), lr=LR) for m in (a, b)))
+    if start:
+        acc.load_state(run_dir)
+    for i in range(start, len(data) if cut is None else cut + 1):
+        x, y, _ = data[i]
+        with acc.accumulate():
+            loss_a = nn.functional.mse_loss(a(x).float(), y)
+            acc.backward(loss_a * math.inf if i in (2, 3) else loss_a)
+            acc.backward(nn.functional.mse_loss(b(x).float(), y))
+        if acc.sync_gradients:
+            if torch.isfinite(acc.clip_grad_norm_(1.0, parameters=a.parameters())):
+                opt_a.step()
+            opt_b.step()
+            if i == cut:
+                acc.save_state(run_dir)
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+    return acc.loss_scale, _params(acc.unwrap(a)) + _params(acc.unwrap(b))
+
+
+def lbfgs_items(with_accumix: bool) -> list[torch.Tensor]:
+    """LBFGS (closure, item-weighted) over a model with a parameter no loss reaches, beside a
+    second optimizer: that parameter stays finalized by LBFGS's own first evaluation while the
+    later evaluations' backward calls reach the rest."""
+    x, y, _ = _data(micro_steps=1, n=6, seed=2)[0]
+    model = nn.ModuleDict({"net": _net(), "unused": nn.Linear(2, 2)})
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    if not with_accumix:
+        for _ in range(3):
+            def closure() -> torch.Tensor:
+                lbfgs.zero_grad()
+                loss = ((model["net"](x) - y) ** 2).sum() / len(x)
+                loss.backward()
+                return loss
+            lbfgs.step(closure)
+        return _params(model)
+    acc = ax.Accelerator(precision="fp32", grad_accum_steps=1)
+    other = _net(1)
+    model, other, lbfgs, _ = acc.setup(model, other, lbfgs,
+                                       torch.optim.SGD(other.parameters(), lr=LR))
+    for _ in range(3):
+        with acc.accumulate():
+            def closure() -> torch.Tensor:
+                lbfgs.zero_grad()
+                loss_sum = ((model["net"](x) - y) ** 2).sum()
+                acc.backward(loss_sum, num_items=len(x))
+                return loss_sum / len(x)
+            lbfgs.step(closure)
+    return _params(acc.unwrap(model))

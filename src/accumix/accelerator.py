@@ -565,7 +565,8 @@ class Accelerator:
         return path
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None) -> Path:
+    def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None, *,
+                   extra_state: dict[str, Any] | None = None) -> Path:
         """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
 
         Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
@@ -578,15 +579,19 @@ class Accelerator:
         Args:
             run_dir: the run's directory (created if needed).
             keep_last: keep this many newest step directories, deleting older ones.
+            extra_state: a JSON-safe dict stored with the checkpoint (rank 0's), read back
+                with ``accumix.run_dir.extra_state(step_dir)``; the Trainer keeps its
+                callbacks' state there.
 
         Returns:
             The step directory written.
 
         Raises:
             AccumixError: called inside an accumulation window.
+            ConfigError: ``extra_state`` is not JSON (nothing is written).
             CheckpointError: a rank failed to write (every rank raises it).
         """
-        return checkpoint.save_state(self, run_dir, keep_last=keep_last)
+        return checkpoint.save_state(self, run_dir, keep_last=keep_last, extra_state=extra_state)
 
     def load_state(self, path: str | os.PathLike[str], *, strict: bool = True) -> Path:
         """Restores a ``save_state`` checkpoint into what was set up; training then continues

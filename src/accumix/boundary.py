@@ -56,6 +56,7 @@ class WindowGrads:
     found_inf: torch.Tensor | None = None  # the agreed overflow flag of their last finalize
     unsynced: bool = False  # their last backward ran with their model's gradient sync off
     zero_request: bool | None = None  # a zero_grad(set_to_none) decided at the window's end
+    reach: tuple[int, ...] = ()  # serials of those backward calls (several optimizers only)
 
     def renew(self, window: int) -> None:
         """Opens the next window's record (lazily, at the first event of that window)."""
@@ -67,7 +68,7 @@ class WindowGrads:
         """The gradients were zeroed: nothing is held, nothing is counted."""
         self.first_micro_step, self.fresh, self.finalized = 0, False, False
         self.num_items, self.backwards, self.found_inf = 0, 0, None
-        self.unsynced, self.zero_request = False, None
+        self.unsynced, self.zero_request, self.reach = False, None, ()
 
     def keeps(self, window: AccumulationWindow) -> bool:
         """Whether the gradients hold micro-steps of this window that its step has not used
@@ -92,7 +93,10 @@ class StepRecord:
     # id(parameter) -> (window, overflow flag) of the pass that finalized its gradient since
     # the last backward that reached it; read only when several optimizers (which may share
     # parameters) are set up.
-    finalized: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
+    # the serials of the backward calls its finalizer's count was taken over, and the finalizer.
+    finalized: dict[int, tuple[int, torch.Tensor | None, tuple[int, ...], int]] = field(
+        default_factory=dict)
+    backward_serial: int = 0  # backward calls so far (several optimizers only)
 
 
 def marks_before(optimizers: Sequence[AcceleratedOptimizer], strategy: Strategy
@@ -127,6 +131,7 @@ def record_backward(acc: Accelerator, before: list[list[Any]] | None,
         optimizers = list(acc._optimizers)
     else:
         optimizers, touched = reached(acc._optimizers, before, acc.strategy)
+        acc._step.backward_serial += 1
         finalized = acc._step.finalized
         for pid in touched:  # raw gradient added: to be finalized again
             finalized.pop(pid, None)
@@ -147,6 +152,8 @@ def record_backward(acc: Accelerator, before: list[list[Any]] | None,
         state.unsynced = _sync_off(acc, opt)
         state.zero_request = None  # an earlier zero_grad of this micro-step was the loop's top
         state.backwards += 1
+        if before is not None:
+            state.reach = (*state.reach, acc._step.backward_serial)
         if num_items is not None:
             state.num_items = state.num_items + (
                 num_items.detach().to(torch.float64) if isinstance(num_items, torch.Tensor)
@@ -241,7 +248,7 @@ def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> No
         params = list(params_of([opt.optimizer]))
         flags: list[torch.Tensor] = []
         if ledger is not None:
-            params = _unfinalized(params, ledger, window.index, flags)
+            params = _unfinalized(params, ledger, window, (state.reach, id(opt)), flags)
         if params or ledger is None:
             factor = window.boundary_factor(
                 num_items=state.num_items,
@@ -256,7 +263,8 @@ def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> No
             if found_inf is not None:
                 flags.append(found_inf)
             if ledger is not None:
-                ledger.update((id(p), (window.index, found_inf)) for p in params)
+                ledger.update((id(p), (window.index, found_inf, state.reach, id(opt)))
+                              for p in params)
         state.found_inf = sum(flags[1:], flags[0]) if flags else None
         state.fresh, state.finalized, state.zero_request = False, True, None
         if state.found_inf is not None:  # the window's update sees every finalize's flag
@@ -265,16 +273,31 @@ def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> No
                 record.found_inf + state.found_inf)
 
 
-def _unfinalized(params: list[torch.Tensor], ledger: dict[int, tuple[int, Any]], window: int,
+def _unfinalized(params: list[torch.Tensor], ledger: dict[int, tuple[int, Any, Any, int]],
+                 window: AccumulationWindow, who: tuple[tuple[int, ...], int],
                  flags: list[torch.Tensor]) -> list[torch.Tensor]:
     """The parameters whose gradients no pass finalized since their last backward; the flags
-    of the passes that finalized the others are appended to ``flags`` (each once)."""
+    of the passes that finalized the others are appended to ``flags`` (each once). ``who``:
+    this optimizer's backward serials (``WindowGrads.reach``) and ``id``.
+
+    Raises:
+        ConfigError: item mode, and a shared gradient was divided by the item count of other
+            backward calls than this optimizer's (a backward reached one of the optimizers
+            sharing it but not the other): its value would depend on which stepped first.
+    """
     out = []
     for p in params:
         done = ledger.get(id(p))
-        if done is None or done[0] != window:
+        if done is None or done[0] != window.index:
             out.append(p)
-        elif done[1] is not None and all(f is not done[1] for f in flags):
+            continue
+        # Another optimizer's pass over other backward calls (its own earlier pass is not).
+        if window.mode == "items" and done[3] != who[1] and done[2] != who[0]:
+            raise ConfigError(
+                "num_items=: optimizers sharing parameters were reached by different backward "
+                "calls in one window, so the shared gradients have no single item count; give "
+                "the shared parameters to one optimizer (param groups), or pass no num_items")
+        if done[1] is not None and all(f is not done[1] for f in flags):
             flags.append(done[1])
     return out
 

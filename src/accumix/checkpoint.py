@@ -39,6 +39,7 @@ from accumix import fault, rng_state, window_end
 from accumix import run_dir as layout
 from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.errors import AccumixError, CheckpointError, ConfigError
+from accumix.plain_values import numpy_floats, plain
 from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
@@ -64,13 +65,15 @@ _STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "model
 
 
 # -- save ------------------------------------------------------------------------------------
-def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None
-               ) -> Path:
+def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None,
+               *, extra_state: dict[str, Any] | None = None) -> Path:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
     Collective. See ``Accelerator.save_state``.
     """
     _check_between_windows(acc, "save_state")
+    if extra_state is not None:
+        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
     window_end.close_window(acc, window_over=False)  # the scale the next window uses
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
@@ -102,6 +105,8 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
 
     _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
     meta = _metadata(acc, empty)
+    if extra_state is not None:
+        meta["extra_state"] = extra_state
 
     def publish() -> None:
         layout.publish(run_dir, tmp, final, meta, keep_last)
@@ -147,7 +152,9 @@ def _reset_unstepped(optimizers: list[Optimizer], empty: list[bool]) -> None:
 
 def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
     """Every scheduler's state_dict, checked to load back with ``weights_only=True``."""
-    states = [s.state_dict() for s in acc._schedulers]
+    # base_lrs copied from a numpy learning rate are numpy scalars: stored as Python numbers.
+    states = [plain(s.state_dict(), f"LR scheduler {i}'s state_dict")
+              for i, s in enumerate(acc._schedulers)]
     buffer = io.BytesIO()
     for index, (sched, state) in enumerate(zip(acc._schedulers, states, strict=True)):
         buffer.seek(0)
@@ -155,7 +162,8 @@ def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
         try:
             torch.save(state, buffer)
             buffer.seek(0)
-            torch.load(buffer, weights_only=True)
+            with numpy_floats():
+                torch.load(buffer, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - pickling errors, refused globals
             raise CheckpointError(
                 f"LR scheduler {index} ({type(sched.scheduler).__name__}) has a state_dict "
@@ -188,6 +196,9 @@ def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
             "step_was_skipped": acc.step_was_skipped,
             "window": acc._window.state_dict(),
             "scaler": acc.strategy.scaler.state_dict(),
+            # The last window's overflow when its scale update still waits for a step or a
+            # zero_grad (the save came between them): the resumed run makes that update.
+            "pending_scale_update": window_end.pending_overflow(acc),
             "models": len(acc._models),
             "optimizers": [{"stepped_window": o.stepped_window, "empty": e}
                            for o, e in zip(acc._optimizers, empty, strict=True)],
@@ -261,6 +272,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
         sched.load_state_dict(sched_state)
         sched._stepped_window = saved["stepped_window"]
     acc.strategy.scaler.load_state_dict(state["scaler"])
+    window_end.set_pending_overflow(acc, state.get("pending_scale_update"))
     acc._window.load_state_dict(state["window"])
     if steps != acc.grad_accum_steps:
         log.info("grad_accum_steps=%d restored from %s (this run was set up with %d)", steps,
@@ -377,7 +389,8 @@ def _write_tensors(path: Path, obj: Any) -> None:
 def _read_tensors(path: Path) -> Any:
     """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with numpy_floats():
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - zip errors, EOF, refused globals
         raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); "
                               f"{alternatives(path.parent)}") from exc

@@ -50,10 +50,27 @@ class Compiler:
         return torch.compile(fn, **(self.options or {}))
 
     def compile_in_place(self, module: nn.Module) -> nn.Module:
-        """Compiles ``module``'s call (hooks and forward) in place, as ``nn.Module.compile``."""
-        compiled = self(module._call_impl)
-        module._compiled_call_impl = reporting_failures(compiled, type(module).__name__)
+        """Compiles ``module``'s call (hooks and forward) in place, as ``nn.Module.compile``.
+
+        A module whose forward is torch's own (``nn.Sequential``, ``nn.TransformerEncoderLayer``
+        as FSDP units) gets its forward compiled instead: dynamo never traces a frame that
+        starts in torch's files (``_call_impl``, then ``Sequential.forward``), so compiling the
+        call converted frames but captured no graph and the block ran eagerly. A frame of ours
+        around the forward is traced and inlines it (``torch.compile(nn.Sequential(...))``
+        does the same); the module's hooks (FSDP2's all-gather) run around it, eagerly.
+        """
+        name = type(module).__name__
+        if torch._dynamo.trace_rules.check(module.forward):
+            forward = functools.partial(_call, module.forward)
+            module.forward = reporting_failures(self(forward), name)  # type: ignore[method-assign]
+            return module
+        module._compiled_call_impl = reporting_failures(self(module._call_impl), name)
         return module
+
+
+def _call(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The frame dynamo starts tracing at for a torch module's forward (see above)."""
+    return forward(*args, **kwargs)
 
 
 def resolve_compile(setting: CompileSetting) -> Compiler | None | bool:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from accumix.checkpoint import CheckpointError
+from accumix import fault
+from accumix.errors import CheckpointError
+from accumix.plain_values import numpy_floats, plain
 
 
 def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer]) -> None:
@@ -44,9 +46,18 @@ def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
 
 
 def write(state: dict[str, Any], directory: str) -> None:
-    """``dcp.save`` of ``state`` (collective; without a process group, this process alone)."""
+    """``dcp.save`` of ``state`` (collective; without a process group, this process alone).
+
+    Numpy scalars (a learning rate computed with numpy) are written as Python numbers, which
+    a ``weights_only`` load reads back.
+
+    Raises:
+        ConfigError: a value a safe load could not rebuild, named, before anything is written
+            (every rank holds the same hyper-parameters: every rank raises).
+    """
+    state = plain(state, "the checkpoint's entry ")
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=directory, no_dist=not _distributed())
+        dcp.save(state, storage_writer=_ProgressWriter(directory), no_dist=not _distributed())
 
 
 def read(state: dict[str, Any], reader: SafeReader) -> None:
@@ -177,12 +188,25 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+class _ProgressWriter(FileSystemWriter):
+    """DCP's file writer that tells the watchdog when this rank's files are written: a rank
+    whose disk stalls is then named as the one the others wait for (they are all inside the
+    same ``save_state`` phase otherwise)."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        written.wait()  # the file system writer writes before it returns; a no-op wait
+        fault.advance("acc.save_state, its files written, waiting for the other ranks' writes")
+        return written
+
+
 class _SafePlanner(DefaultLoadPlanner):
     """Non-tensor entries (optimizer hyper-parameters) read with ``weights_only=True``; torch's
     planner unpickles them with ``weights_only=False``."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        obj = torch.load(value, weights_only=True)
+        with numpy_floats():
+            obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 

@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import random
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -123,11 +124,28 @@ def _teardown_at_exit() -> None:
     registries) keep the gloo backend alive: its worker threads were still running after it
     and a ``gc.collect()`` under zero1, fsdp and deepspeed. The backend's destructor, which
     joins them, runs late or never; its ``shutdown()`` and ``abort()`` stop no thread.
+
+    After an uncaught exception the group is aborted instead: a collective may still be
+    pending (the one that raised, or one the other ranks are in), and NCCL's destroy waits for
+    it, possibly forever, where its abort (``ncclCommAbort``) cancels it. gloo takes the same
+    path (its abort only forgets the group).
     """
     if _created_group and dist.is_initialized():
-        dist.destroy_process_group()
+        if _exiting_on_exception():
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
+            dist.destroy_process_group()
     if not wait_for_idle_threads(GLOO_WORKER_THREAD):
         log.warning("accumix: gloo's worker threads were still busy at exit after 5s")
+
+
+def _exiting_on_exception() -> bool:
+    """The interpreter is exiting because of an uncaught exception (Python keeps it in
+    ``sys.last_value`` once it has printed it, before the atexit handlers run)."""
+    return getattr(sys, "last_value", None) is not None or getattr(
+        sys, "last_exc", None) is not None
 
 
 def wait_for_idle_threads(name: str, timeout: float = 5.0) -> bool:

@@ -173,6 +173,17 @@ def phase(acc: Accelerator, label: str) -> Iterator[None]:
     acc._sync_label = ""  # type: ignore[attr-defined]
 
 
+def advance(label: str) -> None:
+    """This rank finished its own part of a collective (its files of a checkpoint write) and
+    now waits for the others: progress, so a rank still inside its part is named as behind.
+    The label stays until the enclosing ``phase`` ends."""
+    watched = _watchdog._accelerator if _watchdog is not None else None
+    acc = watched() if watched is not None else None
+    if acc is not None:
+        acc._sync_points = getattr(acc, "_sync_points", 0) + 1  # type: ignore[attr-defined]
+        acc._sync_label = label  # type: ignore[attr-defined]
+
+
 def _list(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 

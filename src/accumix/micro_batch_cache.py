@@ -23,14 +23,21 @@ CACHE_FILE = "micro_batch_auto.json"
 
 def cache_key(acc: Accelerator, sample: Any, global_batch: int, headroom: float) -> str:
     """What the answer depends on: world, precision, strategy, the shapes of a one-row batch
-    (``sample``), the device model, the model's size, the global batch, the limit and the
-    headroom."""
+    (``sample``), the device model, the parameters' shapes and dtypes, the optimizers, the
+    global batch, the limit and the headroom."""
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(sample)
               if isinstance(t, torch.Tensor)]
-    params = sum(p.numel() for model in acc._models for p in model.parameters())
+    # Every parameter's shape, dtype and trainability, and each optimizer's class: a model of
+    # the same size but other shapes (wider activations) or dtype, a frozen part or another
+    # optimizer's states needs another answer, which a parameter count alone would not key.
+    params = repr([(tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for model in acc._models for p in model.parameters()])
+    optimizers = [type(acc.strategy.state_optimizer(o.optimizer)).__name__
+                  for o in acc._optimizers]
     parts = {"world": acc.strategy.dp_world_size, "precision": acc.policy.name,
              "strategy": acc.strategy.name, "shapes": repr(shapes),
              "device": device_model(acc.device), "params": params,
+             "optimizers": optimizers,
              "global_batch": global_batch, "limit": acc._memory_limit, "headroom": headroom}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -308,16 +308,24 @@ def _allocate_optimizer_states(acc: Accelerator) -> None:
 
 @contextmanager
 def _parameters_preserved(acc: Accelerator) -> Iterator[None]:
-    """Restores every parameter and buffer (this rank's shards) after the search."""
+    """Restores every parameter and buffer (this rank's shards) after the search, and the
+    gradients that existed before it (a window in progress): the probe's backward adds into
+    them and its cleanup drops them, so each comes back as the same tensor with its values."""
     tensors = [t for model in acc._models
                for t in (*model.parameters(), *model.buffers())]
     saved = [_local(t.detach()).to("cpu", copy=True) for t in tensors]
+    params = list(dict.fromkeys(p for model in acc._models for p in model.parameters()))
+    grads = [(p, p.grad, _local(p.grad.detach()).to("cpu", copy=True))
+             for p in params if p.grad is not None]
     try:
         yield
     finally:
         with torch.no_grad():
             for tensor, copy in zip(tensors, saved, strict=True):
                 _local(tensor.detach()).copy_(copy)
+            for param, grad, copy in grads:
+                _local(grad).copy_(copy)
+                param.grad = grad
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -349,15 +357,27 @@ def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:
         ConfigError: a dataset without ``len`` and indexing (an IterableDataset).
     """
     dataset, collate = loader.dataset, loader.collate_fn
+    refusal = ConfigError(f"micro_batch_size='auto' cannot build a probe batch from "
+                          f"{type(dataset).__name__} (no len/indexing); call "
+                          "acc.find_micro_batch_size(step, make_batch) yourself")
     try:
         count = min(len(dataset), scan)
-        sizes = [sum(t.numel() for t in tree_leaves(dataset[i]) if isinstance(t, torch.Tensor))
-                 for i in range(count)]
     except (TypeError, NotImplementedError) as exc:
-        raise ConfigError(f"micro_batch_size='auto' cannot build a probe batch from "
-                          f"{type(dataset).__name__} (no len/indexing); call "
-                          "acc.find_micro_batch_size(step, make_batch) yourself") from exc
+        raise refusal from exc
     if not count:
         raise ConfigError("micro_batch_size='auto': the DataLoader's dataset is empty")
-    largest = dataset[max(range(count), key=sizes.__getitem__)]
-    return lambda n: collate([largest] * n)
+    found: list[Any] = []
+
+    def make_batch(n: int) -> Any:
+        # The scan reads samples, which may draw (augmentation): it runs at the first call,
+        # inside the probe, whose RNG capture gives every stream back; read here it would
+        # move them before the run.
+        if not found:
+            try:
+                found.append(max((dataset[i] for i in range(count)), key=lambda s: sum(
+                    t.numel() for t in tree_leaves(s) if isinstance(t, torch.Tensor))))
+            except (TypeError, NotImplementedError) as exc:
+                raise refusal from exc
+        return collate([found[0]] * n)
+
+    return make_batch

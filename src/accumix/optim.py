@@ -95,14 +95,20 @@ class AcceleratedOptimizer(Optimizer):
 def is_scheduler(obj: Any) -> bool:
     """A torch LR scheduler, or one on timm's protocol (``step_update(num_updates)`` per
     optimizer step, ``step(epoch)`` at epoch ends, an ``optimizer``, state dicts)."""
+    return _is_torch_scheduler(obj) or _is_timm_like(obj)
+
+
+def _is_torch_scheduler(obj: Any) -> bool:
     import torch
 
     return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler,
-                            torch.optim.lr_scheduler.ReduceLROnPlateau)) or _is_timm_like(obj)
+                            torch.optim.lr_scheduler.ReduceLROnPlateau))
 
 
 def _is_timm_like(obj: Any) -> bool:
-    return all(callable(getattr(obj, name, None)) for name in (
+    # A torch scheduler stays one even with a ``step_update`` method: its ``step()`` is per
+    # optimizer step, not timm's per-epoch ``step(epoch)`` that goes through as called.
+    return not _is_torch_scheduler(obj) and all(callable(getattr(obj, name, None)) for name in (
         "step_update", "step", "state_dict", "load_state_dict")) and isinstance(
         getattr(obj, "optimizer", None), Optimizer)
 

@@ -135,6 +135,37 @@ def write_json(path: Path, obj: Any) -> None:
     write_text(path, text)
 
 
+def json_state(state: Any, what: str) -> dict[str, Any]:
+    """``state`` as ``meta.json`` holds it: a dict, numpy scalars as Python numbers.
+
+    Raises:
+        ConfigError: not a dict, or not JSON (numbers, strings, lists, dicts, None); the
+            message names ``what``.
+    """
+    from accumix.errors import ConfigError
+
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(f"a {type(state).__name__}, not a dict")
+        return json.loads(json.dumps(state, allow_nan=True, default=_numpy_number))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} is not JSON ({exc}); keep it to numbers, strings, lists "
+                          "and dicts") from None
+
+
+def _numpy_number(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, np.generic) and value.shape == ():
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def extra_state(step_dir: Path) -> dict[str, Any]:
+    """What ``save_state(extra_state=...)`` stored in ``step_dir`` ({} if nothing)."""
+    return read_meta(step_dir).get("extra_state") or {}
+
+
 def manifest(directory: Path) -> dict[str, int]:
     """Every file under ``directory`` with its size, flushed to disk first."""
     files = sorted(p for p in directory.rglob("*") if p.is_file())

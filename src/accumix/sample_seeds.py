@@ -20,7 +20,11 @@ would have to become a ``StatefulDataLoader``.
 
 The sampler hands the dataset ``(seed, epoch, index)`` keys (``EpochSeedTagged``); the workers
 need no message from the main process when an epoch starts, so persistent workers work too.
-The collate runs under streams of its batch's first key (``SeededCollate``). Cost: ~23 us a
+The collate runs under streams of its batch's first key (``SeededCollate``). A dataset with
+its own batched read (``__getitems__``: torch's ``Subset``, what ``random_split`` returns, and
+Hugging Face datasets) is read item by item all the same: one seed for a whole batch would
+make a sample's draws depend on the batch it fell in (another world size, another batch).
+Cost: ~23 us a
 sample (re-seeding three Mersenne twisters and their first draw after it; bench/sample_seeds.py),
 and in the main process (``num_workers=0``) ~80 us a batch to save and restore the states
 (numpy's ``get_state``/``set_state`` are most of it).
@@ -53,7 +57,11 @@ def mix(seed: int, epoch: int, index: int) -> int:
 
 def _seed_all(seed: int) -> None:
     torch.default_generator.manual_seed(seed)  # the CPU generator only: CUDA's is left be
-    np.random.seed(seed & 0xFFFFFFFF)  # the legacy seeder takes 32 bits
+    # torch's CPU generator keeps the low 32 bits of any seed and numpy's legacy seeder takes
+    # 32 (as an array of words it keeps more, but costs ~60 us instead of ~10): numpy gets the
+    # high 32, so two samples that share torch's stream (~n^2/2^33 pairs an epoch) do not
+    # share numpy's too. python's random.seed takes all 64.
+    np.random.seed(seed >> 32)
     random.seed(seed)
 
 
@@ -106,20 +114,16 @@ class SeededDataset(Dataset):
 
     def __getitems__(self, keys: list[tuple[int, int, int]]) -> list[Any]:
         """A batch (the DataLoader's fetcher reads batches through this): the states are saved
-        once here and put back by ``SeededCollate`` after the collate, which runs next. A
-        dataset with its own batched read (Hugging Face datasets) gets it under the streams of
-        the batch's first sample."""
+        once here and put back by ``SeededCollate`` after the collate, which runs next. Each
+        sample is read on its own under its own streams, also from a dataset with a batched
+        read of its own (``Subset`` defines one): that read would draw a whole batch from one
+        stream."""
         saved = _capture()
         try:
-            batched = getattr(self.dataset, "__getitems__", None)
-            if batched is None:
-                samples = []
-                for seed, epoch, index in keys:
-                    _seed_all(mix(seed, epoch, index))
-                    samples.append(self.dataset[index])
-            else:
-                _seed_all(mix(*keys[0]))
-                samples = list(batched([key[2] for key in keys]))
+            samples = []
+            for seed, epoch, index in keys:
+                _seed_all(mix(seed, epoch, index))
+                samples.append(self.dataset[index])
         except BaseException:
             _restore(saved)
             raise
@@ -167,7 +171,10 @@ class EpochSeedTagged(Sampler):
 
 def draws_nothing(dataset: Any) -> bool:
     """A dataset whose ``__getitem__`` is known to draw no random numbers (a ``TensorDataset``),
-    which is read as it is: seeding costs a few microseconds a sample."""
-    from torch.utils.data import TensorDataset
+    which is read as it is: seeding costs a few microseconds a sample. A ``Subset`` of one
+    (what ``random_split`` returns) draws nothing either."""
+    from torch.utils.data import Subset, TensorDataset
 
+    while type(dataset) is Subset:
+        dataset = dataset.dataset
     return type(dataset) is TensorDataset

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
     from accumix.optim import AcceleratedOptimizer
@@ -80,3 +82,16 @@ def close_window(acc: Accelerator, *, window_over: bool = True) -> None:
         if state.zero_request is not None:
             acc.strategy.zero_grad(opt.optimizer, state.zero_request)
             state.clear()
+
+
+def pending_overflow(acc: Accelerator) -> bool | None:
+    """The overflow of a window whose scale update has not been made yet (None: none pending),
+    as a checkpoint stores it."""
+    found_inf = acc._step.found_inf
+    return None if found_inf is None else bool(found_inf.item())
+
+
+def set_pending_overflow(acc: Accelerator, overflow: bool | None) -> None:
+    """Restores ``pending_overflow``: the update is made before the next window begins."""
+    acc._step.found_inf = None if overflow is None else torch.tensor([float(overflow)],
+                                                                     device=acc.device)

@@ -76,6 +76,14 @@ HANGS = {
     "before a save": (("--hang-before-save", "2"), "rank 1 at 2 windows done + 0 micro-step(s)",
                       " while rank 0 reached 2 windows done + 0 micro-step(s), in "
                       "acc.save_state, preparing "),
+    # issue 20.10: rank 1's disk stalls inside its checkpoint write at step 2; rank 0 has
+    # written its files and waits in DCP's gather (both inside the same save_state phase)
+    "in a checkpoint write": (("--hang-in-write", "2"),
+                              "rank 1 at 2 windows done + 0 micro-step(s), in acc.save_state, "
+                              "writing the models and optimizers",
+                              " while rank 0 reached 2 windows done + 0 micro-step(s), in "
+                              "acc.save_state, its files written, waiting for the other "
+                              "ranks' writes:"),
 }
 
 

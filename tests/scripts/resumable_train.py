@@ -5,7 +5,7 @@ restore. As a script it auto-resumes from ``RUN_DIR/latest`` and can hurt itself
 
     python -m torch.distributed.run --nproc-per-node 2 --max-restarts 1 \\
         tests/scripts/resumable_train.py RUN_DIR [--kill-at N] [--term-at N] [--hang-at N]
-        [--hang-between N] [--hang-before-save N]
+        [--hang-between N] [--hang-before-save N] [--hang-in-write N]
 
 ``--kill-at N``: on the first attempt, rank 1 SIGKILLs itself one micro-step after step N.
 ``--term-at N``: on a restarted attempt, rank 1 sends itself SIGTERM one micro-step after
@@ -13,7 +13,8 @@ step N (pre-emption: every rank saves at the next boundary and exits 0).
 ``--hang-at N``: rank 1 sleeps forever one micro-step after step N; ``--hang-between N``: at
 the boundary of step N, after its save (rank 0 goes on to the pre-emption check);
 ``--hang-before-save N``: at the boundary of step N, before its save (rank 0 goes on into
-``save_state``). Rank 0 writes ``RUN_DIR/final`` (the
+``save_state``); ``--hang-in-write N``: inside its checkpoint write at step N (its disk
+stalls; rank 0 has written its files and waits). Rank 0 writes ``RUN_DIR/final`` (the
 model's safetensors) at the end and appends what happened to ``RUN_DIR/events.txt``;
 ``--reference DIR`` then trains the same job uninterrupted in the same processes and writes it
 to DIR.
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int)
     parser.add_argument("--hang-between", type=int)
     parser.add_argument("--hang-before-save", type=int)
+    parser.add_argument("--hang-in-write", type=int)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--reference", help="then train uninterrupted, write it here")
     args = parser.parse_args()
@@ -153,6 +155,10 @@ def main() -> None:
     def before_save(acc: ax.Accelerator) -> None:
         if acc.rank == 1 and acc.optimizer_steps == args.hang_before_save:
             hang()
+        if acc.rank == 1 and acc.optimizer_steps == args.hang_in_write:
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+            FileSystemWriter.write_data = lambda *_: hang()  # type: ignore[method-assign]
 
     train(acc, objects, epochs=args.epochs, save_at=range(2, 10**6, 2), run_dir=run_dir,
           after_micro_step=hurt, at_boundary=before_save)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from accumix.env import detect_launch_env, first_host
@@ -56,3 +58,41 @@ def test_mpi(variables, expected) -> None:
 ])
 def test_first_host(nodelist, host) -> None:
     assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("uncaught", [False, True])
+def test_exit_teardown_aborts_the_group_after_an_uncaught_exception(
+        monkeypatch: pytest.MonkeyPatch, uncaught: bool) -> None:
+    # Issue 20: the exit handler destroyed the group even after an exception with collectives
+    # pending; on NCCL destroy waits for them (possibly forever), abort cancels them. gloo takes
+    # the same path; the test sees which one was taken.
+    import sys
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from accumix import env
+    from accumix.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    taken: list[str] = []
+
+    def recording(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            taken.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for module, name in ((dist, "destroy_process_group"), (c10d, "_abort_process_group")):
+        monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
+    monkeypatch.setattr(env, "_created_group", True)
+    if uncaught:  # what Python sets once it printed an uncaught exception, before atexit
+        monkeypatch.setattr(sys, "last_value", RuntimeError("a collective failed"),
+                            raising=False)
+    else:
+        monkeypatch.delattr(sys, "last_value", raising=False)
+        monkeypatch.delattr(sys, "last_exc", raising=False)
+    env._teardown_at_exit()
+    assert taken == (["_abort_process_group"] if uncaught else ["destroy_process_group"])
+    assert not dist.is_initialized()

@@ -246,3 +246,39 @@ def test_unused_loss_scale_under_auto_is_said_once_on_both_backends(caplog) -> N
         ax.Accelerator(precision="auto", loss_scale=ax.DynamicLossScale(init_scale=8.0))
     said = [r.getMessage() for r in caplog.records if "loss_scale" in r.getMessage()]
     assert len(said) == 2 and all("precision='auto' chose" in s for s in said), said
+
+
+def cond_item_loss(params, batch, rng):
+    """``(loss_sum, num_items)`` returned from inside a ``lax.cond``: a count all the same."""
+    return jax.lax.cond(jnp.sum(batch["mask"]) > 0, lambda q: w.item_loss(q, batch, None),
+                        lambda q: w.item_loss(q, batch, None), params)
+
+
+def test_a_count_returned_through_cond_scan_or_while_is_read_by_its_data_flow() -> None:
+    batches = w.micro_batches(2 * K, seed=5)
+    windows = [batches[i:i + K] for i in range(0, 2 * K, K)]
+    _, state, metrics = run("ddp", windows, cond_item_loss)
+    ref = plain_train(windows, item_grads)
+    # before: the cond's count was read as aux and the summed loss as a mean (diff 2.3e-3)
+    assert w.max_diff(state.params, ref) < 1e-6
+    assert float(metrics[0]["num_items"]) == float(sum(b["mask"].sum() for b in windows[0]))
+
+    from accumix.jax.loss_output import read_form
+    p = jax.tree.map(jnp.asarray, w.init_params())
+    micro = batches[0]
+
+    def scan_carry(params, batch, rng):  # the second carry picks up the loss one step late
+        def body(c, _):
+            return (w.item_loss(params, batch, None)[0], c[1] + c[0]), None
+        (s, x), _ = jax.lax.scan(body, (0.0, 0.0), None, length=3)
+        return s, x
+
+    def while_trips(params, batch, rng):  # how often the loop runs depends on the params
+        s, n = w.item_loss(params, batch, None)
+        _, x = jax.lax.while_loop(lambda c: c[0] < s, lambda c: (c[0] + 1.0, c[1] + 1.0),
+                                  (0.0, 0.0))
+        return s, x
+
+    key = jax.random.key(0)
+    assert read_form(scan_carry, p, micro, key).aux_at == 1  # before: items_at=1
+    assert read_form(while_trips, p, micro, key).aux_at == 1  # kept (the loop is followed)

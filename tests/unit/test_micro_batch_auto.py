@@ -5,6 +5,7 @@ input is a one-line ConfigError."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -49,33 +50,28 @@ def _make(n: int) -> torch.Tensor:
     return torch.randn(n, 64)
 
 
-@pytest.mark.parametrize("mode", ["mean", "items"])
-def test_cpu_memory_limit_chooses_the_largest_measured_fit(mode: str, tmp_path: Path) -> None:
-    def step_of(model: nn.Module):  # noqa: ANN202
-        if mode == "mean":
-            return lambda x: model(x).mean()
-        return lambda x: (model(x).sum(), x.shape[0])
-
-    acc, model, _ = _set_up()
-    peaks = {n: measure(acc, step_of(model), _make, n).peak for n in (6, 8)}
-    del acc, model
-    limit = int((peaks[6] + peaks[8]) / 2 / 0.9)  # 6 fits with 10% headroom, 8 does not
-    assert peaks[6] <= 0.9 * limit < peaks[8]
-
-    acc, model, optimizer = _set_up(memory_limit=limit)
-    asked: list[int] = []
-    assert acc.find_micro_batch_size(step_of(model), lambda n: asked.append(n) or _make(n),
-                                     run_dir=tmp_path) == 6
-    # make_batch(1) keys the cache; on CPU the two smallest sizes are probed first (their
-    # peaks predict the others), then bisection: 6 fits, 8 does not.
-    assert asked[:3] == [1, 1, 2] and {6, 8} <= set(asked) and max(asked) <= 12
-    choice = acc.micro_batch_choice
-    assert (choice.grad_accum_steps, choice.limit_bytes) == (4, limit)
-    assert choice.peak_bytes <= 0.9 * limit
+def test_cpu_memory_limit_chooses_the_largest_measured_fit(tmp_path: Path) -> None:
+    steps = {"mean": lambda model: lambda x: model(x).mean(),
+             "items": lambda model: lambda x: (model(x).sum(), x.shape[0])}
+    for mode, step_of in steps.items():  # the modes' peaks differ (mean's backward expands)
+        acc, model, _ = _set_up()
+        peaks = {n: measure(acc, step_of(model), _make, n).peak for n in (6, 8)}
+        limit = int((peaks[6] + peaks[8]) / 2 / 0.9)  # 6 fits with 10% headroom, 8 does not
+        assert peaks[6] <= 0.9 * limit < peaks[8]
+        acc, model, _ = _set_up(memory_limit=limit)
+        asked: list[int] = []
+        assert acc.find_micro_batch_size(step_of(model), lambda n, a=asked: a.append(n) or _make(n),
+                                         run_dir=tmp_path / mode) == 6, mode
+        # make_batch(1) keys the cache; on CPU the two smallest sizes are probed first (their
+        # peaks predict the others), then bisection: 6 fits, 8 does not.
+        assert asked[:3] == [1, 1, 2] and {6, 8} <= set(asked) and max(asked) <= 12, mode
+        choice = acc.micro_batch_choice
+        assert (choice.grad_accum_steps, choice.limit_bytes) == (4, limit)
+        assert choice.peak_bytes <= 0.9 * limit
+        assert len(json.loads((tmp_path / mode / CACHE_FILE).read_text())) == 1
     data = TensorDataset(torch.randn(48, 64))
     loader = acc.setup(DataLoader(data, batch_size=5, shuffle=True))
     assert (loader.batch_size, acc.grad_accum_steps, len(loader)) == (6, 4, 8)
-    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 1
 
 
 def test_cpu_never_runs_a_size_predicted_far_past_the_limit() -> None:
@@ -169,9 +165,13 @@ def test_recipe_auto_then_an_elastic_restart_on_two_ranks(tmp_path: Path) -> Non
 
 def test_trainer_chooses_with_nothing_more_and_equals_the_explicit_run() -> None:
     """The Trainer probes with its step_fn (which draws noise: the probe must give the RNG
-    back) on the loader's largest sample, re-batches the loader and trains as the run given
-    the chosen size does, bitwise."""
+    back) on the loader's largest sample (reading samples draws too: augmentation), re-batches
+    the loader and trains as the run given the chosen size does, bitwise."""
     from accumix.trainer import Trainer
+
+    class Augmented(TensorDataset):
+        def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+            return (self.tensors[0][i] + 0.1 * torch.randn(64),)
 
     def noisy(model: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
         return model(batch[0] + 0.1 * torch.randn_like(batch[0])).mean()
@@ -180,7 +180,7 @@ def test_trainer_chooses_with_nothing_more_and_equals_the_explicit_run() -> None
     for micro in ("auto", GLOBAL):
         acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size=micro, seed=0)
         net = Wide(64)
-        data = TensorDataset(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
+        data = Augmented(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
         trainer = Trainer(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.1),
                           train_loader=DataLoader(data, batch_size=5 if micro == "auto" else
                                                   micro, shuffle=True),
@@ -202,3 +202,68 @@ def test_estimate_memory_shows_the_choice_without_training(
     out = capsys.readouterr().out
     assert "micro_batch_size=auto chose 8 (K=2 on 1 rank, global 16): peak" in out
     assert "micro batch 8 x 64 tokens" in out
+
+
+def test_probe_keeps_a_window_in_progress_and_every_state() -> None:
+    """Probed mid-window after an Adam step (state, a scheduler, BatchNorm, eval mode): the
+    gradients already accumulated come back as the same tensors with the same values, and
+    nothing else moves (a plain torch copy taken before is the reference)."""
+    acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", memory_limit=2**30)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1))
+    adam = torch.optim.Adam(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(adam, 1, gamma=0.5)
+    model, optimizer = acc.setup(net, adam)
+    model(_make(4)).mean().backward()
+    adam.step()
+    scheduler.step()
+    model.eval()
+    model(_make(4)).sum().backward()  # the window in progress
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    before = [copy.deepcopy(x) for x in (grads, adam.state_dict(), scheduler.state_dict(),
+                                         model.state_dict(), torch.get_rng_state())]
+    acc.find_micro_batch_size(lambda x: model(x).mean(), _make)
+    for name, p in model.named_parameters():
+        assert p.grad is grads[name] and torch.equal(p.grad, before[0][name]), name
+    assert _same(adam.state_dict(), before[1])
+    assert scheduler.state_dict() == before[2] and not model.training
+    assert _same(model.state_dict(), before[3]) and torch.equal(torch.get_rng_state(), before[4])
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+class Narrow(Wide):
+    """Wide(1024)'s parameter count (64 x 48 + 48 + 2064 = 5184) in other shapes: 48 x 2064
+    activations a row instead of 64 x 1024."""
+
+    def __init__(self) -> None:
+        super().__init__(2064)
+        self.lin = nn.Linear(64, 48)
+
+
+def test_cache_is_not_reused_for_other_shapes_or_dtype(tmp_path: Path) -> None:
+    """Same parameter count, other shapes (Narrow) or dtype (float64): probed again, and the
+    answer is the one a run without the cache chooses (4 for both)."""
+    chosen = []
+    for make in (Wide, Narrow, lambda: Wide().double()):
+        acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto",
+                             memory_limit=12_000_000)
+        net = make()
+        model, _ = acc.setup(net, torch.optim.SGD(net.parameters()))
+        dtype = next(net.parameters()).dtype
+        step = (lambda m, t: lambda x: m(x.to(t)).mean())(model, dtype)
+        acc.find_micro_batch_size(step, _make, run_dir=tmp_path)
+        choice = acc.micro_batch_choice
+        chosen.append((choice.micro_batch_size, choice.probes > 0))
+    # Wide: 8 fits, 12 does not; the others need more a row: 4 (what each chooses without a
+    # cache). Each probed (True) again: the old key (parameter count) reused 8 for Narrow.
+    assert chosen == [(8, True), (4, True), (4, True)]
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 3

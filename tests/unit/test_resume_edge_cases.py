@@ -9,9 +9,11 @@ import json
 import os
 import signal
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -143,6 +145,79 @@ def test_optimizer_parameter_without_gradient_resumes_exactly(tmp_path: Path) ->
     opt = acc._optimizers[0]
     extra = acc.unwrap(acc._models[0]).extra.weight
     assert extra not in opt.state and len(opt.state) == 4
+
+
+# -- issue 20.6: numpy numbers in param groups -----------------------------------------------
+def _build_numpy_lr(acc: ax.Accelerator, tag: Any = None) -> tuple[Any, ...]:
+    """``build``'s job with its hyper-parameters computed in numpy (``base * np.sqrt(...)``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    lr = np.float64(0.02) * np.sqrt(np.float64(256) / 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=np.float64(0.01),
+                            betas=(np.float64(0.9), 0.999))
+    if tag is not None:
+        opt.param_groups[0]["tag"] = tag
+    sched = lrs.StepLR(opt, step_size=2, gamma=np.float64(0.7))
+    loader = DataLoader(dataset(), batch_size=2, shuffle=True)
+    return acc.setup(model, opt, loader, sched)
+
+
+def test_numpy_hyper_parameters_save_and_resume_exactly(reference: dict[str, torch.Tensor],
+                                                        tmp_path: Path) -> None:
+    expected, _ = _job(_build_numpy_lr)
+    assert _equal(expected, reference)  # numpy's lr trains as the float one does
+    _job(_build_numpy_lr, run_dir=tmp_path, save_at={5}, stop_at=5)
+    resumed, acc = _job(_build_numpy_lr, load=tmp_path)
+    assert _equal(resumed, expected) and acc.optimizer_steps == 16
+    group = acc._optimizers[0].param_groups[0]
+    assert type(group["lr"]) is float and type(group["betas"][0]) is float
+    # Without a scheduler (whose save refused numpy's base_lrs), the save went through and
+    # every load failed ("a different model or optimizer?").
+    lrs_loaded = []
+    for load in (None, tmp_path / "plain"):
+        acc = _acc()
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=np.float64(0.1) * np.sqrt(2.0))
+        model, opt = acc.setup(model, opt)
+        if load is None:
+            acc.save_state(tmp_path / "plain")
+        else:
+            acc.load_state(load)
+            lrs_loaded.append(opt.param_groups[0]["lr"])
+    assert lrs_loaded == [0.1 * np.sqrt(2.0)]
+
+
+def _build_float32_lr(acc: ax.Accelerator) -> tuple[Any, ...]:
+    """``build``'s job with float32 numpy hyper-parameters (a config read into ``np.float32``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=np.float32(0.1))
+    sched = lrs.StepLR(opt, step_size=1, gamma=np.float32(0.7))
+    loader = DataLoader(dataset(), batch_size=2, shuffle=True)
+    return acc.setup(model, opt, loader, sched)
+
+
+def test_float32_hyper_parameters_resume_their_schedule_exactly(tmp_path: Path) -> None:
+    # StepLR multiplies a float32 lr by a float32 gamma in float32; saved as Python floats the
+    # resumed run multiplied in float64: its last lr was 0.00033232922804... instead of the
+    # uninterrupted float32 chain's 0.00033232921850867 (and a float, not a float32).
+    expected, acc = _job(_build_float32_lr)
+    lr = acc._optimizers[0].param_groups[0]["lr"]
+    assert type(lr) is np.float32 and lr == np.float32(0.1) * np.float32(0.7) ** 16
+    _job(_build_float32_lr, run_dir=tmp_path, save_at={5}, stop_at=5)
+    resumed, acc = _job(_build_float32_lr, load=tmp_path)
+    back = acc._optimizers[0].param_groups[0]["lr"]
+    assert (type(back), float(back)) == (np.float32, float(lr)) and _equal(resumed, expected)
+
+
+def test_a_hyper_parameter_a_safe_load_cannot_read_is_refused_at_save(tmp_path: Path) -> None:
+    acc = _acc()
+    objects = _build_numpy_lr(acc, tag=Fraction(1, 3))
+    with pytest.raises(ax.ConfigError, match=r"\['param_groups'\]\[0\]\['tag'\] is a "
+                                             r"fractions.Fraction"):
+        train(acc, objects, epochs=1, run_dir=tmp_path, save_at={1}, stop_at=1)
+    assert latest_checkpoint(tmp_path) is None
 
 
 # -- 3. pre-emption in an epoch's last window ------------------------------------------------

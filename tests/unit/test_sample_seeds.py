@@ -9,10 +9,10 @@ import random
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, random_split
 
 from accumix.data import AcceleratedDataLoader
-from accumix.sample_seeds import SeededDataset, mix
+from accumix.sample_seeds import SeededDataset, _seed_all, mix
 
 
 class Augmented(Dataset):
@@ -118,3 +118,44 @@ def test_the_wrapper_pickles_forwards_attributes_and_leaves_tensor_datasets() ->
     # Nearby keys do not share a stream.
     assert len({mix(7, e, i) for e in range(50) for i in range(50)}) == 2500
     assert mix(7, 0, 1) != mix(7, 1, 0)
+
+
+def test_a_subset_sample_draws_the_same_in_any_batch_and_on_another_world_size() -> None:
+    # Issue 20.5: Subset (random_split's) has a batched read; a batch read under one stream made
+    # a sample's draws depend on its batch. 16 samples, batches of 2 and 4, 1 and 2 ranks.
+    subset = random_split(Augmented16(), [16, 4], generator=torch.Generator().manual_seed(0))[0]
+
+    def rows(batch_size: int, rank: int, world: int) -> dict[int, list[float]]:
+        loader = DataLoader(subset, batch_size=batch_size, shuffle=True, collate_fn=mixup)
+        return _rows(list(_wrap(loader, rank, world)))
+
+    one = rows(2, 0, 1)
+    two = {**rows(2, 0, 2), **rows(2, 1, 2)}
+    wide = rows(4, 0, 1)
+    assert len(one) == 16
+    differ = sum(one[i][:4] != other[i][:4] for other in (two, wide) for i in one)
+    assert differ == 0, differ
+    # Each sample still draws its own numbers (not one stream replayed per batch).
+    assert len({round(row[1], 6) for row in one.values()}) == 16
+    # A Subset of a TensorDataset draws nothing: read as it is.
+    tensors = Subset(TensorDataset(torch.arange(4)), [0, 2])
+    assert not isinstance(_wrap(DataLoader(tensors, batch_size=2)).loader.dataset, SeededDataset)
+
+
+class Augmented16(Augmented):
+    def __len__(self) -> int:
+        return 20
+
+
+def test_numpy_takes_the_seed_bits_that_torch_drops() -> None:
+    # Issue 20: numpy was seeded with the low 32 bits, the 32 that torch's CPU generator keeps
+    # too, so two samples whose seeds share them drew the same numbers from both. numpy now
+    # takes the high 32: a sample's three streams together depend on all 64 bits.
+    low = 0x12345678
+    draws = []
+    for seed in (low, low | (1 << 40), low | (1 << 63)):
+        _seed_all(seed)
+        draws.append((torch.rand(()).item(), np.random.rand(), random.random()))
+    assert len({d[0] for d in draws}) == 1, draws  # torch's own 32-bit limit (README)
+    assert len({d[1] for d in draws}) == 3, draws
+    assert len({d[2] for d in draws}) == 3, draws

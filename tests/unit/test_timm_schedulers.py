@@ -89,3 +89,32 @@ def test_timm_scheduler_steps_with_real_updates_and_resumes(tmp_path: Path) -> N
     assert acc2._optimizers[0].param_groups[0]["lr"] == lr_full
     assert torch.equal(acc2.unwrap(model2).weight, acc.unwrap(model).weight)
     acc2.end()
+
+
+class LambdaWithStepUpdate(torch.optim.lr_scheduler.LambdaLR):
+    """A torch scheduler that also has a ``step_update`` method (a user's convenience): it is
+    a torch scheduler, so ``step()`` must advance once per real optimizer step."""
+
+    def step_update(self, num_updates: int, metric: Any = None) -> None:
+        raise AssertionError("not called in this test")
+
+
+def test_torch_scheduler_with_step_update_still_steps_once_per_real_step() -> None:
+    acc = ax.Accelerator(strategy="single", grad_accum_steps=K, seed=0)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = LambdaWithStepUpdate(opt, lambda step: 0.5 ** step)
+    model, opt, wrapped = acc.setup(model, opt, sched)
+    for window in range(3):
+        for micro in range(K):
+            g = torch.Generator().manual_seed(10 * window + micro)
+            with acc.accumulate():
+                acc.backward(model(torch.randn(4, 3, generator=g)).sum())
+                opt.step()
+                wrapped.step()  # every micro-step, as in accelerate-style loops
+                opt.zero_grad()
+    # Plain PyTorch: one scheduler step per optimizer step, 3 steps -> lr 0.5**3.
+    assert sched.last_epoch == 3, sched.last_epoch
+    assert opt.param_groups[0]["lr"] == 0.5 ** 3
+    acc.end()

@@ -86,6 +86,38 @@ def test_off_rank_0_a_tracker_does_nothing_and_never_fails(tmp_path: Path,
     assert list(tmp_path.iterdir()) == []  # no run, no store, no trackers.json
 
 
+def test_the_rank_comes_from_a_process_group_started_without_launcher_variables(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain loop that ran ``init_process_group(rank=1, ...)`` (mp.spawn, no RANK): rank 1
+    must not open a second run."""
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    assert base.process_rank() == 1
+    logger = MLflowLogger()
+    logger.open(tmp_path, resume_step=0)
+    logger.log({"step": 1, "loss": 1.0})
+    logger.close()
+    assert (logger.run_id, sorted(p.name for p in tmp_path.iterdir())) == (None, [])
+
+
+def test_the_rank_never_starts_jax_in_a_job_that_only_imported_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking ``jax.process_count()`` starts JAX's backends (most of a GPU's memory, and a later
+    ``jax.distributed.initialize`` fails): without jax.distributed, JAX is not asked."""
+    jax = pytest.importorskip("jax")
+    asked: list[str] = []
+    monkeypatch.setattr(jax, "process_count", lambda: asked.append("count") or 2)
+    monkeypatch.setattr(jax, "process_index", lambda: asked.append("index") or 1)
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert not jax.distributed.is_initialized()
+    assert (base.process_rank(), asked) == (0, [])
+
+
 def test_the_plain_loop_logs_through_wandb_offline(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -110,6 +142,70 @@ def test_the_plain_loop_logs_through_wandb_offline(tmp_path: Path,
         if r["type"] in ("run", "config"):
             config.update((r.get("run", r).get("config") or {}).get("update", {}))
     assert config["lr"] == 0.1 and config["model.width"] == 8
+
+
+def test_a_failed_fit_ends_its_mlflow_run_as_failed(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from mlflow.tracking import MlflowClient
+    from torch.utils.data import DataLoader
+
+    from tests import workloads as w
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    calls = []
+
+    def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return w.mean_loss(model, batch)
+
+    data = w.regression_data(16)
+    model = w.make_model()
+    trainer = ax.Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         train_loader=DataLoader(data, batch_size=4),
+                         accelerator=ax.Accelerator(precision="fp32"), step_fn=failing,
+                         max_steps=4, run_dir=tmp_path, loggers=["mlflow"],
+                         progress_bar=False, system_metrics_every=None)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert client.get_run(run_id).info.status == "FAILED"  # was FINISHED
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+
+
+def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow refuses ``[``/``(`` in names and keys over 250 characters by raising, which
+    stopped the fit at the first such row; values over 6000 characters it cuts, which must not
+    read as a changed param on resume."""
+    import numpy as np
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    long_key, long_value = "k" * 300, "v" * 7000
+    for attempt in (0, 1):  # the second: a resume of the same run with the same params
+        logger = MLflowLogger()
+        logger.open(tmp_path, resume_step=attempt)
+        logger.log_params({"lr[0]": 0.1, long_key: 1, "text": long_value,
+                           "model": {"dims": [8, 16], "none": None}})
+        logger.log({"step": 1 + attempt, "loss": np.float32(0.5), "val_loss(ema)": 2.0,
+                    "acc": torch.tensor(0.25), "nan": float("nan"), "skipped": 0})
+        logger.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+               for key in ("loss", "val_loss_ema_", "acc")}
+    assert history == {"loss": [(1, 0.5), (2, 0.5)], "val_loss_ema_": [(1, 2.0), (2, 2.0)],
+                       "acc": [(1, 0.25), (2, 0.25)]}
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "nan")] == [1, 2]
+    params = run.data.params
+    assert (params["lr_0_"], params["k" * 250], len(params["text"]), params["model.dims"],
+            params["model.none"]) == ("0.1", "1", 6000, "[8, 16]", "None")
 
 
 def test_the_jax_backend_logs_one_mlflow_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -4,10 +4,12 @@ the accumulation scheduler, resume, the guards."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -16,9 +18,11 @@ import accumix as ax
 from accumix.trainer import (
     EVENTS,
     Callback,
+    EarlyStopping,
     GradientAccumulationScheduler,
     LossGuard,
     StepMetrics,
+    StragglerMonitor,
     Trainer,
 )
 from tests import workloads as w
@@ -67,8 +71,8 @@ def test_event_order_with_eval_and_checkpoint_then_resume(tmp_path: Path) -> Non
     off = [*MICRO, "on_train_batch_end"]
     step = [*MICRO, "on_before_optimizer_step", "on_optimizer_step"]
     assert rec.events == ["on_fit_start", *off, *step, "on_train_batch_end", *off, *step,
-                          "on_validation_end", "on_save_checkpoint", "on_train_batch_end",
-                          "on_fit_end"]
+                          "on_validation_start", "on_validation_end", "on_save_checkpoint",
+                          "on_train_batch_end", "on_fit_end"]
     assert result.step == 2 and (tmp_path / "step-2").is_dir()
 
     # A new run in the same directory resumes at step 2 and trains 1 more: the end of fit
@@ -78,8 +82,8 @@ def test_event_order_with_eval_and_checkpoint_then_resume(tmp_path: Path) -> Non
                                 val_loader=DataLoader(data, batch_size=8), loggers=["csv"])
     result = trainer.fit()
     assert rec.events == ["on_fit_start", "on_load_checkpoint", *off, *step,
-                          "on_train_batch_end", "on_validation_end", "on_save_checkpoint",
-                          "on_fit_end"]
+                          "on_train_batch_end", "on_validation_start", "on_validation_end",
+                          "on_save_checkpoint", "on_fit_end"]
     assert result.step == 3 and result.resumed_from == tmp_path
     with (tmp_path / "metrics.csv").open() as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == [1, 2, 3]
@@ -233,3 +237,131 @@ def test_fp16_overflow_row_is_skipped_and_keeps_the_step() -> None:
     rows = [(m.step, m.skipped, m.loss_scale) for m in recorder.metrics]
     assert rows == [(1, False, 16.0), (1, True, 16.0), (2, False, 8.0), (3, False, 8.0)]
     assert result.step == 3 and math.isinf(recorder.metrics[1].loss)
+
+
+def test_a_finished_run_run_again_does_nothing_and_reports_the_saved_result(
+        tmp_path: Path) -> None:
+    # Issue 20.7: the checkpoint of a finished max_epochs=1 run says (epoch 1, position 0); the
+    # loop checked the epoch only after running one, so a re-run trained a second epoch.
+    data = w.regression_data(24)  # 6 micro-batches of 4, K=2: 3 steps an epoch
+    val = DataLoader(data, batch_size=8)
+    first, _ = make_trainer(data, w.mean_loss, k=2, micro=4, lr=0.1, max_epochs=1,
+                            checkpoint_every=2, run_dir=tmp_path, val_loader=val)
+    done = first.fit()
+    weights = [p.detach().clone() for p in first.model.parameters()]
+    again, rec = make_trainer(data, w.mean_loss, k=2, micro=4, lr=0.1, max_epochs=1,
+                              checkpoint_every=2, run_dir=tmp_path, val_loader=val)
+    result = again.fit()
+    assert (done.step, result.step) == (3, 3)
+    assert rec.metrics == [] and "on_validation_end" not in rec.events  # nothing ran again
+    assert (result.epoch, result.loss, result.val_loss) == (done.epoch, done.loss,
+                                                            done.val_loss)
+    assert all(torch.equal(a, b) for a, b in zip(weights, again.model.parameters(),
+                                                  strict=True))
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-2", "step-3"]
+
+
+class Counting(Callback):
+    """A user's callback with state: the optimizer steps it has seen."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_optimizer_step(self, trainer: Trainer, metrics: StepMetrics) -> None:
+        self.seen += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": np.int64(self.seen)}  # a numpy number is stored as the int it equals
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = state["seen"]
+
+
+def test_callbacks_state_resumes_with_the_run(tmp_path: Path) -> None:
+    # Issue 20.8: a resumed EarlyStopping counted from zero (the uninterrupted run stops at step
+    # 4, the resumed one stopped at 6); LossGuard's recent losses started empty.
+    data = w.regression_data(48)
+
+    def run(max_steps: int, run_dir: Path | None) -> tuple[Any, ...]:
+        stopping = EarlyStopping(monitor="loss", patience=3, min_delta=1e9)  # never improves
+        guard, counting = LossGuard(window=4), Counting()
+        trainer, rec = make_trainer(data, w.mean_loss, k=1, micro=4, lr=0.05,
+                                    max_steps=max_steps, checkpoint_every=1, run_dir=run_dir,
+                                    callbacks=[stopping, counting, guard, Counting()])
+        result = trainer.fit()
+        return result, stopping, guard, counting, trainer
+
+    whole = run(10, None)
+    run(2, tmp_path)
+    resumed = run(10, tmp_path)
+    assert (whole[0].step, resumed[0].step) == (4, 4)
+    assert resumed[1].state_dict() == whole[1].state_dict()
+    assert resumed[2].state_dict() == whole[2].state_dict()
+    assert resumed[2].state_dict()["recent"] and resumed[3].seen == whole[3].seen == 4
+    # The stop is saved too: run again, the stopped run does nothing more.
+    again = run(10, tmp_path)
+    assert again[0].step == 4 and again[3].seen == 4 and again[0].loss == whole[0].loss
+    # StragglerMonitor's count of slow steps (one process has no stragglers to count).
+    straggler = StragglerMonitor()
+    straggler._slow, straggler._warned = 4, True
+    back = StragglerMonitor()
+    back.load_state_dict(json.loads(json.dumps(straggler.state_dict())))
+    assert (back._slow, back._warned) == (4, True)
+    # A callback whose state is not JSON is named at the save, before anything is written.
+
+    class Opaque(Callback):
+        def state_dict(self) -> dict[str, Any]:
+            return {"model": torch.nn.Linear(1, 1)}
+
+    trainer, _ = make_trainer(data, w.mean_loss, k=1, micro=4, max_steps=1, checkpoint_every=1,
+                              run_dir=tmp_path / "opaque", callbacks=[Opaque()])
+    with pytest.raises(ax.ConfigError, match="callback Opaque's state_dict"):
+        trainer.fit()
+    assert not list((tmp_path / "opaque").glob("step-*"))
+
+
+def test_callbacks_of_a_class_added_or_removed_keep_their_own_state(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Two Counting callbacks (2 and 102 steps seen) saved; the user removes the first. Matched
+    # by class name and order, the one left loaded the removed one's 2 (then 3, not 1).
+    data = w.regression_data(48)
+
+    def run(max_steps: int, callbacks: list[Counting]) -> None:
+        trainer, _ = make_trainer(data, w.mean_loss, k=1, micro=4, lr=0.05, max_steps=max_steps,
+                                  checkpoint_every=1, run_dir=tmp_path, callbacks=callbacks)
+        trainer.fit()
+
+    first, second = Counting(), Counting()
+    second.seen = 100
+    run(2, [first, second])
+    assert (first.seen, second.seen) == (2, 102)
+    # The same callbacks in the same order resume their own state.
+    again = [Counting(), Counting()]
+    run(3, again)
+    assert [c.seen for c in again] == [3, 103]
+    left = Counting()
+    with caplog.at_level("WARNING"):
+        run(4, [left])
+    assert left.seen == 1 and "had 2 Counting callback(s), this run has 1" in caplog.text
+
+
+def test_a_run_early_stopping_ended_continues_when_its_patience_is_raised(
+        tmp_path: Path) -> None:
+    # Stopped at step 4 by patience=3 and resumed with patience=6, the run stayed stopped (step
+    # 4); the uninterrupted patience=6 run stops at step 7, which the resume now reaches too.
+    data = w.regression_data(48)
+
+    def run(patience: int, run_dir: Path | None) -> tuple[Any, Trainer]:
+        stopping = EarlyStopping(monitor="loss", patience=patience, min_delta=1e9)
+        trainer, _ = make_trainer(data, w.mean_loss, k=1, micro=4, lr=0.05, max_steps=20,
+                                  checkpoint_every=1, run_dir=run_dir, callbacks=[stopping])
+        return trainer.fit(), trainer
+
+    whole, reference = run(6, None)
+    assert run(3, tmp_path)[0].step == 4
+    resumed, trainer = run(6, tmp_path)
+    assert (whole.step, resumed.step) == (7, 7)
+    assert all(torch.equal(a, b) for a, b in zip(reference.model.parameters(),
+                                                  trainer.model.parameters(), strict=True))
+    assert run(6, tmp_path)[0].step == 7  # stopped with patience 6: stays stopped
+    assert run(3, tmp_path)[0].step == 7

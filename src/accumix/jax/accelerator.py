@@ -334,18 +334,23 @@ class Accelerator:
 
     # -- checkpoints and weights -----------------------------------------------------------
     def save_state(self, run_dir: str | os.PathLike[str], state: TrainState,
-                   keep_last: int | None = None) -> Path:
+                   keep_last: int | None = None, *,
+                   extra_state: dict[str, Any] | None = None) -> Path:
         """Writes ``run_dir/step-N`` (N = ``state.step``) atomically, then ``run_dir/latest``.
 
         The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
         sharded; each process's host RNGs and the set-up loader's epoch and position go
-        beside it. Collective: every process calls it, between windows.
+        beside it; ``extra_state`` (JSON-safe, process 0's) goes into ``meta.json``, read back
+        with ``accumix.run_dir.extra_state``. Collective: every process calls it, between
+        windows.
 
         Raises:
             LossScaleError: fp16 overflowed at the floor (nothing is written).
+            ConfigError: ``extra_state`` is not JSON (nothing is written).
         """
         self.check(state)
-        return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last)
+        return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last,
+                               extra_state=extra_state)
 
     def load_state(self, path: str | os.PathLike[str], state: TrainState) -> TrainState:
         """The state saved at ``path`` (a run directory's latest, or one step directory),

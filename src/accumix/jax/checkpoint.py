@@ -45,11 +45,14 @@ def _checkpointer() -> Any:
     return ocp.StandardCheckpointer()
 
 
-def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int | None) -> Path:
+def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int | None,
+         extra_state: dict[str, Any] | None = None) -> Path:
     """Writes ``run_dir/step-<state.step>`` atomically, then ``latest``. Collective."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
+    if extra_state is not None:
+        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
     run_dir = run_dir.absolute()
     step = int(jax.device_get(state.step))
     final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"
@@ -75,6 +78,8 @@ def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int |
             "num_processes": jax.process_count(),
             "loader": loader.state_dict() if loader is not None else None,
         }
+        if extra_state is not None:
+            meta["extra_state"] = extra_state
         layout.publish(run_dir, tmp, final, meta, keep_last)
     _sync(f"accumix-save-published-{step}")
     return final

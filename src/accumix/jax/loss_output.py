@@ -142,17 +142,49 @@ def _depends_on_params(jaxpr: Any, num_params: int) -> list[bool]:
 
 def _reach(jaxpr: Any, inputs: list[bool]) -> list[bool]:
     """Which outputs the marked inputs reach. A call of a jitted or rematerialised function is
-    followed inside (a jitted loss_fn is one such call holding both loss and count); any
-    other equation is conservative: all its outputs depend on any of its inputs."""
+    followed inside (a jitted loss_fn is one such call holding both loss and count), and so are
+    ``lax.cond`` (every branch) and ``lax.scan``/``while_loop`` (their carries, to a fixed
+    point); any other equation is conservative: all its outputs depend on any of its inputs."""
     reached = {id(v) for v, marked in zip(jaxpr.invars, inputs, strict=True) if marked}
     for eqn in jaxpr.eqns:
         ins = [not hasattr(v, "val") and id(v) in reached for v in eqn.invars]
         if not any(ins):
             continue
-        inner = _called_jaxpr(eqn)
-        outs = _reach(inner, ins) if inner is not None else [True] * len(eqn.outvars)
+        outs = _reach_eqn(eqn, ins)
         reached.update(id(v) for v, hit in zip(eqn.outvars, outs, strict=True) if hit)
     return [not hasattr(v, "val") and id(v) in reached for v in jaxpr.outvars]
+
+
+def _reach_eqn(eqn: Any, ins: list[bool]) -> list[bool]:
+    """Which of ``eqn``'s outputs its marked inputs reach."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "cond":  # inputs: the branch index, then the branches' operands
+        if ins[0]:  # which branch runs depends on the params: so does every output
+            return [True] * len(eqn.outvars)
+        hits = [_reach(b.jaxpr, ins[1:]) for b in params["branches"]]
+        return [any(h) for h in zip(*hits, strict=True)]
+    if name == "scan":  # inputs: consts, carry, xs; outputs: carry, ys
+        consts, carry = params["num_consts"], params["num_carry"]
+        marks = list(ins)
+        while True:  # a carry marked in one iteration is an input of the next
+            outs = _reach(params["jaxpr"].jaxpr, marks)
+            fed = [m or o for m, o in zip(marks[consts:consts + carry], outs[:carry], strict=True)]
+            if fed == marks[consts:consts + carry]:
+                return outs
+            marks[consts:consts + carry] = fed
+    if name == "while":  # inputs: cond consts, body consts, carry; outputs: carry
+        cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
+        marks = list(ins[cond_n + body_n:])
+        while True:
+            if any(_reach(params["cond_jaxpr"].jaxpr, ins[:cond_n] + marks)):
+                return [True] * len(eqn.outvars)  # the trip count depends on the params
+            outs = _reach(params["body_jaxpr"].jaxpr, ins[cond_n:cond_n + body_n] + marks)
+            fed = [m or o for m, o in zip(marks, outs, strict=True)]
+            if fed == marks:
+                return fed
+            marks = fed
+    inner = _called_jaxpr(eqn)
+    return _reach(inner, ins) if inner is not None else [True] * len(eqn.outvars)
 
 
 def _called_jaxpr(eqn: Any) -> Any:

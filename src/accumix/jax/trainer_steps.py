@@ -218,8 +218,9 @@ class JaxSteps:
         loss_sum, items = (float(x) for x in jax.device_get(total))
         return {"val_loss": loss_sum / items if items > 0 else math.nan, "val_items": items}
 
-    def save(self, run_dir: Path, keep_last: int | None) -> Path:
-        return self.accelerator.save_state(run_dir, self.state, keep_last=keep_last)
+    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any]) -> Path:
+        return self.accelerator.save_state(run_dir, self.state, keep_last=keep_last,
+                                           extra_state=extra_state)
 
     def load(self, path: Path) -> None:
         self.state = self.accelerator.load_state(path, self.state)

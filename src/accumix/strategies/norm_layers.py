@@ -20,6 +20,7 @@ Two facts about such a layer shape this module:
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -79,14 +80,16 @@ def float32_norm_forward(model: nn.Module) -> None:
     and torch's norm takes a half input with float32 weights but not half weights with float32
     statistics. The gradient reaches the stored weights through the copies."""
     for module in float32_norm_units(model):
-        original = module.forward
+        # A method bound to the layer, not a closure over it: ``copy.deepcopy`` (an EMA copy,
+        # timm's ``ModelEmaV3``) rebinds it to the copy, where a closure would make the copy
+        # compute with, and update the statistics of, the original. Inside the module's call
+        # (not a pre-hook): ZeRO-3 gathers the parameters in hooks registered after this.
+        module.forward = types.MethodType(_float32_forward, module)  # type: ignore[method-assign]
 
-        def forward(*args: Any, _module: nn.Module = module, _original: Any = original,
-                    **kwargs: Any) -> Any:
-            with _Float32Parameters(_module):
-                return _original(*args, **kwargs)
 
-        module.forward = forward  # type: ignore[method-assign]
+def _float32_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    with _Float32Parameters(module):
+        return type(module).forward(module, *args, **kwargs)
 
 
 class _Float32Parameters:

@@ -17,6 +17,7 @@ from accumix.trainer.metrics import StepMetrics
 from accumix.trainer.progress import ProgressBar
 from accumix.trainer.schedules import WarmupDecay, scale_lr, warmup_schedule
 from accumix.trainer.trainer import FitResult, Trainer
+from accumix.trainer.weight_averaging import WeightAveraging
 
 __all__ = [
     "EVENTS",
@@ -36,6 +37,7 @@ __all__ = [
     "ThroughputMonitor",
     "Trainer",
     "WarmupDecay",
+    "WeightAveraging",
     "load_config",
     "scale_lr",
     "warmup_schedule",

@@ -131,6 +131,14 @@ class StragglerMonitor(Callback):
         self._warned = False
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"slow_steps": self._slow, "warned": self._warned}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._slow, self._warned = int(state["slow_steps"]), bool(state["warned"])
+
+    @override
     def on_optimizer_step(self, trainer: Trainer, metrics: StepMetrics) -> None:
         busy = metrics.rank_busy_s
         fastest, slowest = min(busy), max(busy)
@@ -165,6 +173,8 @@ class GradientAccumulationScheduler(Callback):
                 )
         self.scheduling = dict(sorted(scheduling.items()))
         self.by = by
+        # No state_dict: K follows from the epoch or step, which a resume restores, and the K
+        # in force is the Accelerator's, saved in its checkpoint.
 
     def steps_for(self, position: int) -> int | None:
         """K at epoch (or step) ``position``, or None before the first entry."""
@@ -202,6 +212,19 @@ class EarlyStopping(Callback):
         self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, min_delta, mode
         self.best: float | None = None
         self.bad_checks = 0
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_checks": self.bad_checks}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.bad_checks = state["best"], int(state["bad_checks"])
+
+    def still_stops(self) -> bool:
+        """A run this callback stopped stays stopped when resumed (its patience may have been
+        raised since)."""
+        return self.bad_checks >= self.patience
 
     def _check(self, trainer: Trainer, value: float) -> None:
         sign = 1.0 if self.mode == "min" else -1.0
@@ -253,6 +276,16 @@ class LossGuard(Callback):
         self.on_nan, self.spike_factor, self.on_spike = on_nan, spike_factor, on_spike
         self._recent: deque[float] = deque(maxlen=window)
         self.spikes = 0
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": list(self._recent), "spikes": self.spikes}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._recent.clear()
+        self._recent.extend(float(x) for x in state["recent"])  # the newest `window` of them
+        self.spikes = int(state["spikes"])
 
     def _act(self, trainer: Trainer, action: str, message: str) -> None:
         if action == "raise":

@@ -148,6 +148,10 @@ def split_named_sums(output: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
         return output, {}
     named = {k: v for k, v in output.items() if k not in ("loss", "num_items")}
     for name, value in named.items():
+        if name == "items":  # its column would replace val_items, the count of the loss
+            raise ConfigError("the evaluation step returned a named sum 'items', whose "
+                              "val_items column is the loss's item count; rename it, e.g. "
+                              "'samples'")
         if not (isinstance(value, (tuple, list)) and len(value) == 2):
             raise ConfigError(f"the evaluation step returned {name}={value!r}; return named "
                               "sums as (sum, count) pairs, e.g. 'accuracy': (correct, n)")

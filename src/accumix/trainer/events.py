@@ -8,11 +8,16 @@ One optimizer step with K micro-steps fires, in order::
 
     on_train_batch_start, on_before_backward, on_after_backward, on_train_batch_end  (K-1 times)
     on_train_batch_start, on_before_backward, on_after_backward,
-    on_before_optimizer_step, on_optimizer_step, [on_validation_end], [on_save_checkpoint],
-    on_train_batch_end
+    on_before_optimizer_step, on_optimizer_step, [on_validation_start, on_validation_end],
+    [on_save_checkpoint], on_train_batch_end
 
 wrapped once in ``on_fit_start`` ... ``on_fit_end`` (``on_load_checkpoint`` right after
 ``on_fit_start`` when a run resumes; ``on_exception`` instead of ``on_fit_end`` on an error).
+
+A callback that counts or remembers (a patience counter, recent losses) returns that from
+``state_dict()``; the Trainer saves it in each checkpoint (JSON: numbers, strings, lists,
+dicts; no pickles) and hands it to ``load_state_dict`` when the run resumes, before
+``on_load_checkpoint``. Callbacks are matched by class name and order.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ EVENTS = (
     "on_before_optimizer_step",
     "on_optimizer_step",
     "on_train_batch_end",
+    "on_validation_start",
     "on_validation_end",
     "on_save_checkpoint",
     "on_load_checkpoint",
@@ -74,6 +80,9 @@ class Callback:
     def on_train_batch_end(self, trainer: Trainer, batch: Any) -> None:
         """After a micro-step (and after the step, the evaluation and the row at a boundary)."""
 
+    def on_validation_start(self, trainer: Trainer) -> None:
+        """Before an evaluation (``WeightAveraging`` swaps its average in here)."""
+
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After an evaluation; ``metrics["val_loss"]`` is the same on every rank."""
 
@@ -88,3 +97,11 @@ class Callback:
 
     def on_fit_end(self, trainer: Trainer) -> None:
         """After the last step (and the final checkpoint, if checkpoints are on)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of this callback, JSON-safe (numbers, strings, lists,
+        dicts); saved in every checkpoint. Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes back what ``state_dict()`` returned when the checkpoint was saved."""

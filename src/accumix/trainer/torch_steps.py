@@ -187,9 +187,9 @@ class TorchSteps:
         return evaluate(self.model, loader, self.val_step_fn, acc, max_batches=max_batches,
                         sharded=max_batches >= 0)
 
-    def save(self, run_dir: Path, keep_last: int | None) -> Path:
+    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any]) -> Path:
         kwargs = {"keep_last": keep_last} if keep_last else {}
-        written = self.accelerator.save_state(run_dir, **kwargs)
+        written = self.accelerator.save_state(run_dir, extra_state=extra_state, **kwargs)
         return Path(written) if isinstance(written, (str, Path)) else (
             run_dir / f"step-{self.accelerator.optimizer_steps}")
 

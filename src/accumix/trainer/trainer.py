@@ -12,8 +12,14 @@ The loop is backend-free. A *steps* object runs the training itself and calls
 ``Trainer(model=, optimizer=, train_loader=, ...)`` builds the torch steps;
 ``Trainer(steps=...)`` takes any other backend's (``accumix.jax.JaxSteps``). The steps object
 provides ``accelerator``, ``optimizer_steps``, ``epoch``, ``batches_per_epoch``,
-``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last)``,
-``load(path)`` and optionally ``close()`` (called when ``fit`` ends).
+``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last,
+extra_state)`` (``extra_state``: the loop's and callbacks' JSON state, kept in the checkpoint's
+``meta.json``), ``load(path)`` and optionally ``close()`` (called when ``fit`` ends).
+
+A checkpoint holds the loop's own state too: whether a callback stopped the run, the last
+losses, and every callback's ``state_dict()``. A finished run (``max_steps``, ``max_epochs`` or
+a callback's stop) that is run again loads it and does nothing more: ``fit`` reports the saved
+result.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accumix import run_dir as layout
 from accumix.errors import ConfigError
+from accumix.trainer import run_state
 from accumix.trainer.callbacks import LossGuard
 from accumix.trainer.events import Callback
 from accumix.trainer.loggers import MetricLogger, resolve_loggers
@@ -43,7 +51,8 @@ class FitResult:
     Attributes:
         step: real optimizer steps at the end (including those before a resume).
         epoch: the epoch the run ended in.
-        loss: the last window loss (NaN if no step ran).
+        loss: the last window loss (a finished run run again: the saved one; NaN if no step
+            ever ran).
         val_loss: the last validation loss, or None.
         resumed_from: the checkpoint the run resumed from, or None.
         seconds: wall time of ``fit``.
@@ -178,6 +187,8 @@ class Trainer:
         self._saved_step = -1
         self._evaluated_step = -1
         self._warned_no_checkpoint = False
+        self._stopped_by: str | None = None  # the key of the callback that stopped the run
+        self._saved_result: dict[str, Any] = {}  # the loaded checkpoint's loss and epoch
         del acc
 
     # -- the backend's objects, for callbacks ----------------------------------------------------
@@ -222,7 +233,10 @@ class Trainer:
     def dispatch(self, event: str, *args: Any) -> None:
         """Calls ``event`` on every callback, in order."""
         for callback in self.callbacks:
+            stopped = self.should_stop
             getattr(callback, event)(self, *args)
+            if self.should_stop and not stopped:  # who stopped the run, for a resume
+                self._stopped_by = run_state.key_of(self.callbacks, callback)
 
     # -- the run -----------------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -261,9 +275,12 @@ class Trainer:
             self.dispatch("on_fit_end")  # may write model.safetensors for log_model
         finally:
             self._close_loggers()
-        last = self.last_metrics
-        return FitResult(step=self.step, epoch=self.epoch,
-                         loss=last.loss if last is not None else math.nan,
+        last, saved = self.last_metrics, self._saved_result
+        if last is None and saved:  # a finished run run again: what it reported then
+            loss, epoch = saved["loss"], saved["epoch"]
+        else:
+            loss, epoch = last.loss if last is not None else math.nan, self.epoch
+        return FitResult(step=self.step, epoch=epoch, loss=loss,
                          val_loss=self.last_val.get("val_loss"), resumed_from=self.resumed_from,
                          seconds=time.perf_counter() - started)
 
@@ -283,8 +300,13 @@ class Trainer:
             logger.close()
 
     def done(self) -> bool:
-        """The run has reached its end (max_steps, or a callback's ``should_stop``)."""
-        return self.should_stop or (self.max_steps is not None and self.step >= self.max_steps)
+        """The run has reached its end (max_steps, max_epochs, or a callback's
+        ``should_stop``)."""
+        # The loader's epoch passes max_epochs only in a checkpoint saved at the last epoch's
+        # end (its next epoch); during a run the loop below stops after the last epoch.
+        return self.should_stop or (self.max_steps is not None and self.step >= self.max_steps
+                                    ) or (self.max_epochs is not None
+                                          and self.steps.epoch >= self.max_epochs)
 
     def _train(self) -> None:
         empty_epochs = 0
@@ -325,6 +347,7 @@ class Trainer:
         """
         if self.val_loader is None:
             return {}
+        self.dispatch("on_validation_start")
         result = self.steps.validate()
         self.last_val, self._evaluated_step = result, self.step
         self.dispatch("on_validation_end", result)
@@ -342,7 +365,7 @@ class Trainer:
                 log.warning("checkpoints are off: no run_dir was given")
             self._warned_no_checkpoint = True
             return None
-        path = self.steps.save(self.run_dir, self.keep_checkpoints)
+        path = self.steps.save(self.run_dir, self.keep_checkpoints, self.state_dict())
         self._saved_step = self.step
         self.dispatch("on_save_checkpoint", path)
         return path
@@ -372,7 +395,22 @@ class Trainer:
         self._saved_step = self.step
         self.resumed_from = path
         self.epoch = self.steps.epoch
+        self.load_state_dict(layout.extra_state(layout.resolve(path)))
         if self.accelerator.is_main_process:
             log.info("resumed from %s at step %d", path, self.step)
         self.dispatch("on_load_checkpoint", path)
         return path
+
+    # -- the loop's state in the checkpoint (trainer/run_state.py) -------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's state and every callback's ``state_dict()`` (JSON), saved with each
+        checkpoint.
+
+        Raises:
+            ConfigError: a callback's state is not JSON (named).
+        """
+        return run_state.state_of(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what ``state_dict()`` returned, callbacks matched by class name and order."""
+        run_state.restore(self, state)

@@ -29,15 +29,25 @@ MODEL_FILE = "model.safetensors"
 
 
 def process_rank() -> int:
-    """This process's rank in the job: JAX's process index once jax.distributed runs, else the
-    launcher's (torchrun, SLURM, MPI) variables; 0 when nothing was launched."""
+    """This process's rank in the job: JAX's process index once jax.distributed runs, else
+    torch.distributed's rank once its process group is up (a plain loop may start it with
+    ``rank=`` and no launcher variables), else the launcher's (torchrun, SLURM, MPI) variables;
+    0 when nothing was launched.
+
+    Never asks JAX for its process count unless jax.distributed was initialised: that call
+    starts JAX's backends (on a GPU, JAX then takes most of its memory) in a torch job that
+    merely imported jax, and would make a later ``jax.distributed.initialize`` fail.
+    """
     jax = sys.modules.get("jax")
     if jax is not None:
         try:
-            if jax.process_count() > 1:
+            if jax.distributed.is_initialized():
                 return int(jax.process_index())
-        except Exception:  # an uninitialised or odd jax: the launcher's variables decide
+        except Exception:  # an odd jax: the other sources decide
             pass
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
     from accumix.launch_env import detect_launch_env
 
     return detect_launch_env().rank
@@ -94,6 +104,13 @@ def missing_package(word: str, module: str) -> ConfigError | None:
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def run_outcome(exc: BaseException | None) -> str:
+    """How a run that closes while ``exc`` is handled ended, in MLflow's words."""
+    if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+        return "FINISHED"
+    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
 
 
 class TrackerLogger(MetricLogger):
@@ -164,14 +181,19 @@ class TrackerLogger(MetricLogger):
 
     @override
     def close(self) -> None:
+        """Ends the run. Called while an exception is being handled (the Trainer's failure
+        path, or a plain loop's ``finally``), the run ends as failed (``KILLED`` for Ctrl-C)
+        and uploads no model; a ``SystemExit(0)`` (a pre-emption's save-and-exit) ends it
+        normally."""
         if not self.active:
             return
         self.active = False
+        status = run_outcome(sys.exc_info()[1])
         model = self.run_dir / MODEL_FILE if self.run_dir is not None else None
-        if (self.log_model and model is not None and model.exists()
+        if (status == "FINISHED" and self.log_model and model is not None and model.exists()
                 and model.stat().st_mtime >= self._opened_at - 1):
             self._upload(model)
-        self._finish()
+        self._finish(status)
 
     # -- what a library does -------------------------------------------------------------------
     def _start(self, saved: dict[str, Any] | None, resume_step: int) -> dict[str, Any]:
@@ -186,5 +208,6 @@ class TrackerLogger(MetricLogger):
     def _upload(self, path: Path) -> None:
         raise NotImplementedError
 
-    def _finish(self) -> None:
+    def _finish(self, status: str) -> None:
+        """Ends the run as ``FINISHED``, ``FAILED`` or ``KILLED`` (``run_outcome``)."""
         raise NotImplementedError

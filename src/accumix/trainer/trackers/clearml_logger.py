@@ -117,6 +117,7 @@ class ClearMLLogger(TrackerLogger):
         self._task.upload_artifact("model", artifact_object=str(path), wait_on_upload=True)
 
     @override
-    def _finish(self) -> None:
+    def _finish(self, status: str) -> None:
+        # status is not passed on: ClearML marks the task as close() does either way
         self._task.close()
         self._task = None

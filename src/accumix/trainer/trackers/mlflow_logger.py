@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,16 @@ log = logging.getLogger("accumix")
 
 _PARAMS_PER_CALL = 100  # MLflow's log_batch limit
 _METRICS_PER_CALL = 1000
+_KEY_LIMIT = 250  # MLflow's longest metric name or param key
+_VALUE_LIMIT = 6000  # MLflow's longest param value
+# The characters MLflow refuses in a metric name or param key (it raises, stopping the fit)
+_REFUSED = re.compile(r"[^\w\-. :/]", re.ASCII)
+
+
+def mlflow_key(key: str) -> str:
+    """``key`` as MLflow takes it: each refused character (``lr[0]``, ``val_loss(ema)``) an
+    underscore, cut to 250 characters."""
+    return _REFUSED.sub("_", key)[:_KEY_LIMIT]
 
 
 class MLflowLogger(TrackerLogger):
@@ -118,24 +129,26 @@ class MLflowLogger(TrackerLogger):
 
         assert self.run_id is not None
         existing = self._client.get_run(self.run_id).data.params
+        values = {mlflow_key(k): str(v)[:_VALUE_LIMIT] for k, v in params.items()}
         # MLflow params are write-once: a resumed job logs only what is new, and says what
         # it changed (say a larger max_steps) instead of failing.
-        changed = sorted(k for k, v in params.items() if k in existing and existing[k] != str(v))
+        changed = sorted(k for k, v in values.items() if k in existing and existing[k] != v)
         if changed:
             log.warning("mlflow: params keep their first values; changed on resume: %s",
                         ", ".join(changed))
-        items = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+        items = [Param(k, v) for k, v in values.items() if k not in existing]
         for start in range(0, len(items), _PARAMS_PER_CALL):
             self._client.log_batch(self.run_id, params=items[start:start + _PARAMS_PER_CALL])
         if tags:
-            self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+            self._client.log_batch(self.run_id, tags=[RunTag(mlflow_key(k), str(v))
+                                                      for k, v in tags.items()])
 
     @override
     def _metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, v, now, step) for k, v in metrics.items()]
+        items = [Metric(mlflow_key(k), v, now, step) for k, v in metrics.items()]
         for start in range(0, len(items), _METRICS_PER_CALL):
             self._client.log_batch(self.run_id, metrics=items[start:start + _METRICS_PER_CALL])
 
@@ -144,5 +157,5 @@ class MLflowLogger(TrackerLogger):
         self._client.log_artifact(self.run_id, str(path))
 
     @override
-    def _finish(self) -> None:
-        self._client.set_terminated(self.run_id)
+    def _finish(self, status: str) -> None:
+        self._client.set_terminated(self.run_id, status=status)

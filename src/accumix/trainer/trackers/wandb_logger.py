@@ -85,6 +85,6 @@ class WandbLogger(TrackerLogger):
         self._run.log_artifact(artifact)
 
     @override
-    def _finish(self) -> None:
-        self._run.finish()
+    def _finish(self, status: str) -> None:
+        self._run.finish(exit_code=0 if status == "FINISHED" else 1)
         self._run = None

@@ -1,0 +1,124 @@
+"""WeightAveraging on one process (issue 24.8): the EMA against a hand-computed EMA of a plain
+PyTorch run, evaluation with the average, an fp16-skipped step, the refusals."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import accumix as ax
+from accumix.errors import ConfigError
+from accumix.trainer import Callback, StepMetrics, Trainer, WeightAveraging
+from tests import workloads as w
+
+DECAY = 0.9
+
+
+def reference_emas(data: Any, batch_size: int, steps: int, skip: int | None = None
+                   ) -> list[list[torch.Tensor]]:
+    """A plain PyTorch SGD run and its EMA by hand after each real step (``skip``: the
+    1-based window whose step is not taken, as an fp16 overflow)."""
+    model = w.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = [p.detach().clone() for p in model.parameters()]
+    out = []
+    for window, batch in enumerate(DataLoader(data, batch_size=batch_size), start=1):
+        if len(out) == steps:
+            break
+        if window == skip:
+            continue
+        w.mean_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for avg, p in zip(ema, model.parameters(), strict=True):
+                avg.mul_(DECAY).add_(p, alpha=1 - DECAY)
+        out.append([a.clone() for a in ema])
+    return out
+
+
+class Snapshots(Callback):
+    """The average after each optimizer step (placed after the WeightAveraging callback)."""
+
+    def __init__(self, ema: WeightAveraging) -> None:
+        self.ema, self.seen = ema, []
+
+    def on_optimizer_step(self, trainer: Trainer, metrics: StepMetrics) -> None:
+        self.seen.append([a.clone() for a in self.ema.average])
+
+
+def test_ema_equals_a_hand_computed_ema_and_evaluates_with_it() -> None:
+    data = w.regression_data(32)
+    ema = WeightAveraging(decay=DECAY, eval_with_average=True)
+    snaps = Snapshots(ema)
+    model = w.make_model()
+    trainer = Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      train_loader=DataLoader(data, batch_size=4), accelerator=ax.Accelerator(
+                          precision="fp32"), step_fn=w.mean_loss, max_steps=5, grad_clip=None,
+                      progress_bar=False, val_loader=DataLoader(data, batch_size=32),
+                      callbacks=[ema, snaps])
+    trainer.fit()
+    expected = reference_emas(data, 4, 5)
+    assert len(snaps.seen) == 5 and ema.updates == 5
+    for got, want in zip(snaps.seen, expected, strict=True):
+        assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True))
+    # The final evaluation ran with the average; the training weights came back bitwise.
+    weights = [p.detach().clone() for p in model.parameters()]
+    averaged = w.make_model()
+    with torch.no_grad():
+        for p, a in zip(averaged.parameters(), expected[-1], strict=True):
+            p.copy_(a)
+        want_loss = float(w.mean_loss(averaged, data.tensors))
+    assert trainer.last_val["val_loss"] == pytest.approx(want_loss, rel=1e-6)
+    trainer.validate()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), weights, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:precision='fp16-mixed' on this CPU is emulated")
+def test_an_fp16_skipped_step_does_not_update_the_average() -> None:
+    data = w.regression_data(32)
+    calls = {"n": 0}
+
+    def overflow_second_window(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls["n"] += 1
+        loss = w.mean_loss(model, batch)
+        return loss * math.inf if calls["n"] == 2 else loss
+
+    ema = WeightAveraging(decay=DECAY)
+    snaps = Snapshots(ema)
+    model = w.make_model()
+    acc = ax.Accelerator(precision="fp16-mixed", loss_scale=ax.DynamicLossScale(
+        init_scale=16.0, hysteresis=1))
+    Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_loader=DataLoader(data, batch_size=4), accelerator=acc,
+            step_fn=overflow_second_window, max_steps=3, progress_bar=False, grad_clip=None,
+            callbacks=[ema, snaps]).fit()
+    assert ema.updates == 3 and len(snaps.seen) == 4  # 4 windows, the 2nd skipped
+    assert all(torch.equal(a, b) for a, b in zip(snaps.seen[0], snaps.seen[1], strict=True))
+    expected = reference_emas(data, 4, 3, skip=2)
+    # fp16-mixed computes the forward in half precision: close to the fp32 reference.
+    for got, want in zip(snaps.seen[-1], expected[-1], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+
+
+def test_bad_settings_and_strategies_are_refused() -> None:
+    with pytest.raises(ConfigError, match="decay=1.0"):
+        WeightAveraging(decay=1.0)
+    with pytest.raises(ConfigError, match="every_n_steps=0"):
+        WeightAveraging(every_n_steps=0)
+    assert WeightAveraging(decay=np.float32(0.5), every_n_steps=np.int64(2)).every_n_steps == 2
+
+    class Other:
+        name = "deepspeed"
+
+    class Fake:
+        accelerator = type("A", (), {"strategy": Other()})()
+        model = torch.nn.Linear(1, 1)
+
+    with pytest.raises(ConfigError, match="strategy='deepspeed'.*single, ddp, zero1, fsdp"):
+        WeightAveraging().on_fit_start(Fake())  # type: ignore[arg-type]
