@@ -89,6 +89,13 @@ def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: P
     assert len(messages) == 2 and messages[0] == messages[1]
     assert "processes disagree" in messages[0] and "(2, None, None)" in messages[0]
     assert "(3, None, None)" in messages[0]
+    # strategy="auto" agrees on the minimum free memory over processes (process 0 fits
+    # nothing: both take fsdp with sync_each_microstep), and the check compares the choice.
+    auto = _results(tmp_path, "auto")
+    assert [r["chosen"] for r in auto] == ["FSDPStrategy(sync_each_microstep=True)"] * 2
+    assert auto[0]["loss"] == auto[1]["loss"] > 0
+    assert all("DDPStrategy()" in r["error"] and "sync_each_microstep=True" in r["error"]
+               for r in auto), auto
 
 
 def test_the_jax_recipe_trains_on_two_processes(tmp_path: Path) -> None:

@@ -109,6 +109,26 @@ def train_with_loader(out: Path, mode: str) -> None:
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
 
 
+def auto_agreement(out: Path) -> None:
+    """strategy="auto" with different free memory per process: one choice (the minimum's), one
+    step that runs; then "auto" on process 0 against "ddp" on process 1: a ConfigError."""
+    from accumix.jax import memory
+
+    rank = jax.process_index()
+    memory.device_free_bytes = lambda: 1 if rank == 0 else 10**12  # nothing fits on process 0
+    acc = axj.Accelerator(strategy="auto", precision="fp32", grad_accum_steps=K)
+    state = acc.setup(w.init_params(), w.optimizer())
+    state, metrics = acc.train_step(w.item_loss)(state, mine(global_windows(2)[0], 2))
+    result = {"chosen": repr(acc.strategy), "loss": float(metrics["loss"])}
+    acc = axj.Accelerator(strategy="auto" if rank == 0 else "ddp", precision="fp32",
+                          grad_accum_steps=K)
+    try:
+        acc.setup(w.init_params(), w.optimizer())
+    except axj.ConfigError as exc:
+        result["error"] = str(exc)
+    (out / f"auto-{rank}.json").write_text(json.dumps(result))
+
+
 def uneven_and_single(result: dict[str, object]) -> None:
     """Mean mode, ddp: process 0 passes a window of 2 micro-batches, process 1 of 1 (the end of
     an uneven stream); the update must equal the large batch of all 3 and be the same on both
@@ -167,6 +187,7 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
                             grad_accum_steps=K + int(os.environ["RANK"]))
         except axj.ConfigError as exc:
             (out / f"mismatch-{jax.process_index()}.json").write_text(json.dumps(str(exc)))
+        auto_agreement(out)
         return
     acc = axj.Accelerator(strategy="fsdp" if mode != "train" else "ddp", precision="fp32",
                           grad_accum_steps=K)

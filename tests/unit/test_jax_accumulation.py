@@ -89,7 +89,9 @@ def test_one_gradient_reduction_per_window_outside_the_scan(strategy, kind) -> N
     acc, state, step, _ = train(strategy, [])
     window = acc.window(w.micro_batches(K))
     counts = collective_counts(step.lower(state, window).compile().as_text())
-    assert sum(counts["in_loop"].values()) == 0, counts
+    # fsdp gathers each param at its use, inside the body (tests/unit/test_jax_fsdp.py).
+    assert sum(n for k, n in counts["in_loop"].items() if k != "all-gather") == 0, counts
+    assert strategy == "fsdp" or counts["in_loop"]["all-gather"] == 0, counts
     assert counts["outside"][kind] >= 1, counts
 
 

@@ -188,17 +188,23 @@ def test_bad_windows_and_optimizers_are_config_errors() -> None:
 
 
 def test_auto_strategy_uses_the_memory_model_and_single_for_one_device(monkeypatch) -> None:
-    from accumix.jax import strategies
+    import optax
+
+    from accumix.jax import memory
 
     acc = axj.Accelerator(strategy="auto", precision="fp32", grad_accum_steps=K)
     with pytest.raises(ax.ConfigError, match="chosen at acc.setup"):
         _ = acc.num_devices
     acc.setup(w.init_params(), w.optimizer())
     assert acc.strategy.name == "ddp" and acc.num_devices == 2  # a tiny model fits replicated
-    # 100 fp32 Adam params: ddp holds 1600 bytes, zero1 1200; 80% of 1600 fits only zero1.
-    monkeypatch.setattr(strategies, "_device_free_bytes", lambda: 1600)
-    assert strategies.choose_auto(100, precision="fp32").name == "zero1"
-    monkeypatch.setattr(strategies, "_device_free_bytes", lambda: 2000)
-    assert strategies.choose_auto(100, precision="fp32").name == "ddp"
-    monkeypatch.setattr(strategies.jax, "devices", lambda: jax.local_devices()[:1])
-    assert strategies.choose_auto(100, precision="fp32").name == "single"
+    # Three leaves of 100 fp32 params, Adam, 2 devices (accumix.jax.memory's table): ddp 6004
+    # bytes per device, zero1 4804, fsdp 4604, fsdp sync 4004; the budget is 80% of free.
+    params = {k: np.zeros(100, np.float32) for k in "abc"}
+    choose = lambda free: repr(memory.choose_auto(  # noqa: E731
+        params, optax.adam(1e-3), precision="fp32", free_bytes=free))
+    assert choose(7600) == "DDPStrategy()"
+    assert choose(6100) == "ZeRO1Strategy()"
+    assert choose(5800) == "FSDPStrategy(sync_each_microstep=False)"
+    assert choose(5100) == choose(10) == "FSDPStrategy(sync_each_microstep=True)"
+    monkeypatch.setattr(memory.jax, "devices", lambda: jax.local_devices()[:1])
+    assert choose(10) == "SingleStrategy()"

@@ -12,6 +12,7 @@ width h, heads a.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from accumix.errors import ConfigError
 
@@ -54,6 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device-gib", type=float, default=None,
                         help="memory per rank in GiB (default: free memory of this machine's "
                         "GPU, or its RAM shared by the ranks)")
+    parser.add_argument("--backend", choices=("torch", "jax"), default=None,
+                        help="whose strategies to size (default: the recipe's backend)")
     parser.set_defaults(run=run_estimate)
 
 
@@ -87,6 +90,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--world-size={world} is invalid; use an integer >= 1")
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
+    if (args.backend or config.backend) == "jax":
+        return _run_jax(args, config, world, precision)
     micro = config.micro_batch_size
     if micro == "auto" and args.params is None:
         micro = _probe_recipe(config)  # the choice accumix train makes here, without training
@@ -118,6 +123,56 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(f"{label}, {precision}, world size {world}, {device_bytes / 2**30:.1f} GiB per rank")
     print(format_table(estimates))
     print(f"auto: {choice.reason}")
+    return 0
+
+
+def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str) -> int:
+    """The JAX backend's table (``accumix.jax.memory``): per device of a ``devices`` mesh."""
+    import optax
+
+    from accumix.jax.memory import (
+        device_free_bytes,
+        estimate_jax_memory,
+        format_jax_table,
+        pick_strategy,
+    )
+    from accumix.recipes import gpt_jax
+    from accumix.recipes.default_jax import optimizer_and_schedule
+
+    shape = config.model
+    activations = 0
+    if args.params is not None:
+        params: Any = _parse_count(args.params)
+        optimizer = optax.adamw(1e-3) if args.optimizer_states == 2 else None
+        label = f"{params:,} parameters in one leaf (activations not counted)"
+    elif 12 * shape.n_layer * shape.n_embd**2 > 200_000_000:
+        # Not allocated: sized as one leaf (every element shardable), Adam's two states.
+        params, optimizer = gpt_jax.num_parameters(shape), None
+        label = f"the recipe's GPT ({params:,} parameters, sized as one leaf)"
+    else:
+        params = gpt_jax.init_params(shape)
+        optimizer, _ = optimizer_and_schedule(config, params, 1, 1)
+        label = f"the recipe's GPT ({gpt_jax.num_parameters(shape):,} parameters)"
+    if args.params is None and isinstance(config.micro_batch_size, int):
+        # The activation estimate of the torch table per device; the compiled step's own
+        # figure is memory_analysis() of acc.train_step(...).lower(state, window).compile().
+        # (micro_batch_size=auto: not counted, the JAX recipe has no probe here.)
+        activations = activation_bytes(seq=shape.block_size, micro_batch=config.micro_batch_size,
+                                       width=shape.n_embd, heads=shape.n_head,
+                                       layers=shape.n_layer, precision=precision)
+    device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
+                    else device_free_bytes())
+    import torch
+
+    platform = "gpu" if torch.cuda.is_available() else "cpu"
+    estimates = estimate_jax_memory(params, optimizer, num_devices=devices, precision=precision,
+                                    platform=platform, optimizer_states=args.optimizer_states,
+                                    activation_bytes=activations)
+    _, reason = pick_strategy(estimates, device_bytes=device_bytes)
+    print(f"{label}, {precision}, JAX, {devices} devices, {device_bytes / 2**30:.1f} GiB per "
+          "device")
+    print(format_jax_table(estimates, device_bytes=device_bytes))
+    print(f"auto: {reason}")
     return 0
 
 

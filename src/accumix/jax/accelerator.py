@@ -31,11 +31,12 @@ from accumix.errors import ConfigError
 from accumix.jax import checkpoint, distributed, trainable
 from accumix.jax.data import Window, WindowLoader, canonical, make_window
 from accumix.jax.loss_scale import LossScaleRule
+from accumix.jax.memory import agreed_free_bytes, choose_auto
 from accumix.jax.micro_batch import device_total_bytes, find
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
-from accumix.jax.strategies import AXIS, JaxStrategy, choose_auto, resolve_jax_strategy
+from accumix.jax.strategies import AXIS, JaxStrategy, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
 from accumix.micro_batch_search import (
     DEFAULT_HEADROOM,
@@ -106,7 +107,7 @@ class Accelerator:
         self._optimizer: optax.GradientTransformation | None = None
         self._shardings: TrainState | None = None
         self._loader: WindowLoader | None = None
-        self._check_same_config((str(strategy), self.policy.name, self._batch_sizes, seed,
+        self._check_same_config((self.policy.name, self._batch_sizes, seed,
                                  None if loss_scale is None else repr(loss_scale)))
 
     # -- read-only state -------------------------------------------------------------------
@@ -177,7 +178,8 @@ class Accelerator:
         if len(set(texts)) > 1:
             others = {i: s for i, s in enumerate(texts) if s != texts[0]}
             raise ConfigError(
-                f"processes disagree on (strategy, precision, batch sizes, seed, loss scale): "
+                f"processes disagree on (precision, batch sizes, seed, loss scale) or on the "
+                f"strategy (at setup): "
                 f"process 0 has {texts[0]}, others {others}; launch every process alike")
 
     # -- setup -----------------------------------------------------------------------------
@@ -204,9 +206,12 @@ class Accelerator:
         leaves = jax.tree.leaves(params)
         if not leaves or not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
             raise ConfigError("params must be a pytree of arrays (numpy or jax)")
-        if self._strategy is None:
-            num = int(sum(np.prod(x.shape) for x in leaves))
-            self._strategy = choose_auto(num, precision=self.policy.name)
+        if self._strategy is None or jax.process_count() > 1:
+            free = agreed_free_bytes()  # a collective: every process joins, "auto" or not
+        if self._strategy is None:  # every process the same: from the minimum free memory
+            self._strategy = choose_auto(params, optimizer, precision=self.policy.name,
+                                         free_bytes=free)
+        self._check_same_config((repr(self._strategy),))  # the choice, not the word "auto"
         self._optimizer = optimizer
         strategy = self.strategy
         params = self.policy.cast_to_param(jax.tree.map(_host_value, params))

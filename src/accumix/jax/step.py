@@ -38,6 +38,7 @@ from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.precision import JaxPolicy
 from accumix.jax.state import TrainState
 from accumix.jax.strategies import AXIS, JaxStrategy
+from accumix.jax.trainable import accum_dtype
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
@@ -51,12 +52,6 @@ def loss_form(loss_fn: LossFn, params: Any, window: Any) -> LossForm:
 def is_item_mode(loss_fn: LossFn, params: Any, window: Any) -> bool:
     """Whether ``loss_fn`` returns an item count (item-weighted accumulation)."""
     return loss_form(loss_fn, params, window).item_mode
-
-
-def accum_dtype(dtype: Any) -> Any:
-    """The gradient accumulator's dtype: float32 at least, complex for complex params (a float32
-    accumulator would drop the imaginary part)."""
-    return jnp.result_type(dtype, jnp.float32)
 
 
 def count_dtype(items: Any) -> Any:
@@ -87,14 +82,29 @@ def build_step(
     def local_window(params_c: Any, batch: Any, mask: jax.Array, key: jax.Array,
                      scale: jax.Array, *, form: LossForm, train_specs: Any) -> tuple[Any, ...]:
         """One device's K micro-steps; returns the reduced sums."""
-        full = strategy.gather_params(params_c, param_specs)
         device = jax.lax.axis_index(AXIS)
         first = jax.tree.map(lambda x: x[0], batch)
-        _, items0, aux0 = form.split(jax.eval_shape(loss_fn, full, first, key))
+        # Integer leaves and keys take no gradient: gathered plainly (never through the
+        # strategy's differentiated gather) and merged back around the float leaves.
+        carried = jax.tree.map(
+            lambda x, spec: x if trainable.is_trainable(x) else strategy.gather_params(x, spec),
+            params_c, param_specs)
+        weights = trainable.select(params_c, params_c)
+        target = strategy.grad_target(weights, train_specs)  # what each micro-step differentiates
+        one = jnp.float32(1)
+
+        def use(shards: Any, t: Any, weight: jax.Array) -> Any:
+            return trainable.merge(strategy.params_at_use(shards, t, train_specs, weight), carried)
+
+        shapes = jax.eval_shape(lambda w, t: use(w, t, one), weights, target)
+        _, items0, aux0 = form.split(jax.eval_shape(loss_fn, shapes, first, key))
         item_mode, n_dtype = form.item_mode, count_dtype(items0)
+        # fp16 item mode divides each device's gradient by its own item count (below); a
+        # strategy that sums devices inside the backward must multiply it back there first.
+        weigh_in_backward = scaled and item_mode and strategy.reduces_each_microstep
 
         def objective(p: Any, micro: Any, k: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
-            loss, items, aux = form.split(loss_fn(trainable.merge(p, full), micro, k))
+            loss, items, aux = form.split(loss_fn(p, micro, k))
             loss = loss.astype(jnp.float32)
             items = jnp.asarray(items if item_mode else 1, n_dtype)
             # fp16 item mode: a summed loss x 65536 overflows; scale the sum by 1/n here and by
@@ -102,8 +112,7 @@ def build_step(
             per = jnp.maximum(items, 1).astype(jnp.float32) if (scaled and item_mode) else 1.0
             return loss * (scale / per), (loss, items, aux, per)
 
-        weights = trainable.select(full, full)  # integer leaves and keys take no gradient
-        zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), weights)
+        zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), target)
         zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), aux0)
 
         def micro_step(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, None]:
@@ -111,8 +120,19 @@ def build_step(
 
             def compute(_: None) -> tuple[Any, ...]:
                 k = jax.random.fold_in(jax.random.fold_in(key, index), device)
-                grad, (loss, items, aux, per) = jax.grad(objective, has_aux=True)(weights,
-                                                                                   micro, k)
+                weight = one
+                if weigh_in_backward:  # the count alone: XLA drops the rest of this forward
+                    items = form.split(loss_fn(use(weights, target, one), micro, k))[1]
+                    weight = jnp.maximum(jnp.asarray(items, jnp.float32), 1.0)
+
+                def at_use(t: Any, shards: Any) -> tuple[jax.Array, tuple[Any, ...]]:
+                    return objective(use(shards, t, weight), micro, k)
+
+                # The shards are an argument, not a closure, so remat's optimization barrier
+                # covers them (where the backend keeps barriers; see accumix.jax.gather).
+                grad, (loss, items, aux, per) = jax.grad(strategy.remat(at_use),
+                                                         has_aux=True)(target, weights)
+                per = one if weigh_in_backward else per
                 grad = jax.tree.map(lambda g: g.astype(accum_dtype(g.dtype)) * per, grad)
                 aux = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
                 return grad, loss, items, aux

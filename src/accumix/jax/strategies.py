@@ -16,17 +16,17 @@ dimension (a bias of 1, a scalar) stays replicated and is psum'd.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
-
-log = logging.getLogger("accumix")
+from accumix.jax.gather import REMAT_POLICY, gather_at_use, name_gathered
+from accumix.jax.trainable import accum_dtype
 
 AXIS = "data"
 STRATEGY_WORDS = ("single", "ddp", "zero1", "fsdp", "auto")
@@ -66,6 +66,9 @@ class JaxStrategy:
         self.mesh = Mesh(np.array(devices), (AXIS,), axis_types=(AxisType.Auto,))
         self.num_devices = len(devices)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
@@ -79,6 +82,22 @@ class JaxStrategy:
         return _sharded_spec(shape, self.num_devices) if self.shards_optimizer else P()
 
     # -- inside the step's shard_map (per device) -----------------------------------------
+    # A micro-step differentiates ``grad_target(local)`` and hands ``loss_fn``
+    # ``params_at_use(local, target)``, inside ``remat(fn)``; its gradient is what accumulates.
+    reduces_each_microstep = False
+
+    def grad_target(self, local: Any, specs: Any) -> Any:
+        """What a micro-step differentiates: here the (replicated) params themselves."""
+        return local
+
+    def params_at_use(self, local: Any, target: Any, specs: Any, weight: jax.Array) -> Any:
+        """The params pytree ``loss_fn`` receives, built from the differentiated target."""
+        return target
+
+    def remat(self, fn: Any) -> Any:
+        """The micro-step's differentiated function as the backward should recompute it."""
+        return fn
+
     def gather_params(self, local: Any, specs: Any) -> Any:
         """The full params from this device's shards (fsdp); identity where replicated."""
         def gather(x: jax.Array, spec: P) -> jax.Array:
@@ -126,11 +145,63 @@ class ZeRO1Strategy(JaxStrategy):
 
 
 class FSDPStrategy(JaxStrategy):
-    """Params and optimizer state sharded; gathered once a window, grads reduce-scattered once."""
+    """Params and optimizer state sharded (ZeRO-3); each leaf gathered in the micro-step at its
+    use and re-gathered in the traced backward (``accumix.jax.gather``, which says what XLA on a
+    CPU makes of it), after the cast to the compute dtype.
+
+    Accumulation: by default each device sums the window's gradients into full-size float32
+    accumulators and reduce-scatters them once after the scan (FSDP2 with gradient sync off);
+    ``sync_each_microstep=True`` reduce-scatters every micro-step's gradients into sharded
+    accumulators instead: 1/N of the gradient memory for K times the gradient traffic. Both give
+    the same result.
+
+    Args:
+        devices: the mesh's devices (default: every device of every process).
+        sync_each_microstep: reduce-scatter on every micro-step (see above).
+    """
 
     name = "fsdp"
     shards_params = True
     shards_optimizer = True
+
+    def __init__(self, devices: list[Any] | None = None, *,
+                 sync_each_microstep: bool = False) -> None:
+        if not isinstance(sync_each_microstep, bool):
+            raise ConfigError(f"FSDPStrategy(sync_each_microstep={sync_each_microstep!r}) is "
+                              "invalid; use True or False")
+        super().__init__(devices)
+        self.sync_each_microstep = sync_each_microstep
+        self.reduces_each_microstep = sync_each_microstep
+
+    def __repr__(self) -> str:
+        return f"FSDPStrategy(sync_each_microstep={self.sync_each_microstep})"
+
+    def grad_target(self, local: Any, specs: Any) -> Any:
+        """Zeros of the accumulator's shape and dtype (``accum_dtype``: float32, complex for
+        complex leaves): the full leaf, or its shard when synced."""
+        def tap(x: jax.Array, spec: P) -> jax.Array:
+            shape = list(x.shape)
+            dim = _axis_dim(spec)
+            if dim is not None and not self.sync_each_microstep:
+                shape[dim] *= self.num_devices
+            return jnp.zeros(shape, accum_dtype(x.dtype))
+        return jax.tree.map(tap, local, specs)
+
+    def params_at_use(self, local: Any, target: Any, specs: Any, weight: jax.Array) -> Any:
+        def use(x: jax.Array, tap: jax.Array, spec: P) -> jax.Array:
+            full = gather_at_use(x, tap, weight, AXIS, _axis_dim(spec), self.sync_each_microstep)
+            return name_gathered(full)
+        return jax.tree.map(use, local, target, specs)
+
+    def remat(self, fn: Any) -> Any:
+        return jax.checkpoint(fn, policy=REMAT_POLICY)
+
+    def reduce_grads(self, grads: Any, specs: Any) -> Any:
+        if not self.sync_each_microstep:
+            return super().reduce_grads(grads, specs)
+        # Sharded leaves were reduce-scattered in each micro-step's backward.
+        return jax.tree.map(lambda g, spec: jax.lax.psum(g, AXIS) if _axis_dim(spec) is None
+                            else g, grads, specs)
 
 
 _CLASSES: dict[str, type[JaxStrategy]] = {
@@ -170,31 +241,3 @@ def _one_world(strategy: JaxStrategy) -> JaxStrategy:
             "use 'ddp' (or 'auto'), or launch one process")
     return strategy
 
-
-def choose_auto(num_params: int, *, precision: str, optimizer_states: int = 2) -> JaxStrategy:
-    """``"auto"``: the torch side's memory model and order (ddp, zero1, fsdp) on this mesh.
-
-    The ZeRO-paper byte counts of ``accumix.memory`` per device, against the smallest device's
-    memory (host memory shared by the local devices on a CPU).
-    """
-    from accumix.memory import choose_strategy, estimate_memory
-
-    devices = jax.devices()
-    if len(devices) == 1:
-        return SingleStrategy()
-    free = _device_free_bytes()
-    estimates = estimate_memory(num_params, world_size=len(devices), precision=precision,
-                                optimizer_states=optimizer_states)
-    choice = choose_strategy(estimates, device_bytes=free, world_size=len(devices))
-    log.info("strategy='auto' chose %s", choice.reason)
-    return _CLASSES[choice.strategy]()
-
-
-def _device_free_bytes() -> int:
-    stats = [d.memory_stats() or {} for d in jax.local_devices()]
-    limits = [s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats if "bytes_limit" in s]
-    if limits:
-        return int(min(limits))
-    from accumix.memory import _host_available_bytes
-
-    return _host_available_bytes() // max(len(jax.local_devices()), 1)

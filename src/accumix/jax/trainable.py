@@ -36,3 +36,9 @@ def merge(trainable: Any, like: Any) -> Any:
     new = iter(jax.tree.leaves(trainable))
     return treedef.unflatten([next(new) if is_trainable(x) else x for x in leaves])
 
+
+
+def accum_dtype(dtype: Any) -> Any:
+    """The gradient accumulator's dtype: float32 at least, complex for complex params (a float32
+    accumulator would drop the imaginary part)."""
+    return jnp.result_type(dtype, jnp.float32)

@@ -1,0 +1,234 @@
+"""Bytes per device of accumix.jax's compiled window step, per strategy: the JAX memory model.
+
+Counted from the params' own leaves and the optimizer's own state (``jax.eval_shape`` of its
+``init``, so Adam, SGD, or a chain are sized as they are), placed as ``strategies.py`` places
+them (a leaf is sharded on its largest dimension the device count divides, else replicated),
+and checked against XLA's ``compiled.memory_analysis()`` (arguments + temporaries) of the step
+(``tests/unit/test_jax_memory.py``). Per device, with n a leaf's elements and s(n) its shard:
+
+    term            single/ddp     zero1          fsdp                fsdp sync_each_microstep
+    params          p*n            p*n            p*s(n)              p*s(n)
+    optimizer       opt            opt/D          opt/D               opt/D
+    accumulators    4*n            4*n            4*n                 4*s(n)
+    reduced grads   4*n            4*n            0 (in place)        0 (the accumulators)
+    in flight       4*max(n) when mixed           4*max(n)            4*max(n)  (one leaf, float32)
+    compute copy    c*n            c*n            c*s(n)              c*s(n)     (mixed only)
+    gathered        0              0              g*n (sharded leaves) g*n
+    + the window's bytes on the device + activations (the caller's, or the compiled step's)
+
+p stored param bytes, c compute bytes, g the bytes XLA gathers in (the compute dtype; float32 on
+a CPU, whose float normalization gathers 16-bit arrays in float32). The gathered term is what
+the compiled step holds today: gathered at the use and re-gathered in the backward at the JAX
+level, but XLA's CSE on a CPU (which drops ``jax.checkpoint``'s optimization barriers) merges
+each re-gather with the forward's, so every gathered leaf stays alive through the micro-step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from accumix.errors import ConfigError
+from accumix.jax.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    JaxStrategy,
+    SingleStrategy,
+    ZeRO1Strategy,
+    shard_dim,
+)
+
+log = logging.getLogger("accumix")
+
+JAX_STRATEGIES = ("single", "ddp", "zero1", "fsdp", "fsdp-sync")
+_DTYPE_BYTES = {"fp32": (4, 4), "bf16-mixed": (4, 2), "fp16-mixed": (4, 2), "bf16-true": (2, 2)}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class JaxMemoryEstimate:
+    """Bytes one device holds during the window step under one strategy (see the module doc).
+
+    Attributes:
+        strategy: one of ``JAX_STRATEGIES`` (``"fsdp-sync"``: ``sync_each_microstep=True``).
+        params_bytes: stored params at rest on the device.
+        optimizer_bytes: the optimizer state on the device.
+        grads_bytes: accumulators + the reduced window gradient.
+        working_bytes: the compute-dtype copy and the gathered params.
+        other_bytes: the window's bytes on the device plus activations.
+        total_bytes: the sum.
+    """
+
+    strategy: str
+    params_bytes: int
+    optimizer_bytes: int
+    grads_bytes: int
+    working_bytes: int
+    other_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.params_bytes + self.optimizer_bytes + self.grads_bytes
+                + self.working_bytes + self.other_bytes)
+
+
+def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
+                        precision: str = "fp32", platform: str = "cpu",
+                        optimizer_states: int = 2, window_bytes: int = 0,
+                        activation_bytes: int = 0) -> list[JaxMemoryEstimate]:
+    """The per-device bytes of every JAX strategy (order of ``JAX_STRATEGIES``).
+
+    Args:
+        params: the params pytree (arrays or ``jax.ShapeDtypeStruct``), or a parameter count
+            (one flat leaf: every element shardable, no leaf's gradient counted in flight).
+        optimizer: an optax transformation (its state is sized by ``eval_shape``), or None to
+            count ``optimizer_states`` float32 states per parameter.
+        num_devices: the mesh's devices (D); ``single`` always uses one.
+        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"bf16-true"``.
+        platform: the devices' platform; on ``"cpu"`` XLA gathers 16-bit params in float32.
+        optimizer_states: states per parameter when ``optimizer`` is None.
+        window_bytes: one window's bytes over all devices (split over D, whole on ``single``).
+        activation_bytes: activations per device (e.g. from a compiled step), added to each.
+
+    Raises:
+        ConfigError: an unknown precision, or ``num_devices < 1``.
+    """
+    if precision not in _DTYPE_BYTES:
+        raise ConfigError(f"unknown precision {precision!r}; use one of {', '.join(_DTYPE_BYTES)}")
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ConfigError(f"num_devices={num_devices!r} is invalid; use an integer >= 1")
+    p, c = _DTYPE_BYTES[precision]
+    g = 4 if platform == "cpu" else c
+    structs = _param_structs(params)
+    leaves = [tuple(x.shape) for x in jax.tree.leaves(structs)]
+    if optimizer is not None:
+        opt_leaves = [(tuple(x.shape), np.dtype(x.dtype).itemsize)
+                      for x in jax.tree.leaves(jax.eval_shape(optimizer.init, structs))]
+    else:
+        opt_leaves = [(s, 4) for s in leaves for _ in range(optimizer_states)]
+    # A bare count has no leaves to size the one in flight by: left out.
+    largest = 0 if isinstance(params, (int, np.integer)) else max(_size(s) for s in leaves)
+    out = []
+    for name in JAX_STRATEGIES:
+        d = 1 if name == "single" else num_devices
+        full = sum(_size(s) for s in leaves)
+        shard = sum(_shard(s, d) for s in leaves)
+        gathered = sum(_size(s) for s in leaves if shard_dim(s, d) is not None)
+        opt_full = sum(_size(s) * b for s, b in opt_leaves)
+        opt_shard = sum(_shard(s, d) * b for s, b in opt_leaves)
+        fsdp = name.startswith("fsdp")
+        mixed = c != p
+        params_bytes = p * (shard if fsdp else full)
+        optimizer_bytes = opt_full if name in ("single", "ddp") else opt_shard
+        # One leaf's float32 gradient in flight (cast from the compute dtype, or on its way
+        # to a reduce-scatter) before it joins its accumulator.
+        in_flight = 4 * largest if (fsdp or mixed) else 0
+        if name == "fsdp-sync":
+            grads = 4 * shard + in_flight
+        elif fsdp:  # the window's reduce-scatter writes over the accumulators
+            grads = 4 * full + in_flight
+        else:
+            grads = 4 * full + 4 * full + in_flight
+        working = (c * (shard if fsdp else full) if mixed else 0) + (g * gathered if fsdp else 0)
+        other = window_bytes // d + activation_bytes
+        out.append(JaxMemoryEstimate(strategy=name, params_bytes=params_bytes,
+                                     optimizer_bytes=optimizer_bytes, grads_bytes=grads,
+                                     working_bytes=working, other_bytes=other))
+    return out
+
+
+def choose_auto(params: Any, optimizer: Any, *, precision: str, headroom: float = 0.8,
+                free_bytes: int | None = None) -> JaxStrategy:
+    """``strategy="auto"``: the least communication whose modelled bytes fit, on every process.
+
+    ddp, zero1, fsdp, fsdp with ``sync_each_microstep`` in that order, against ``headroom`` of
+    the smallest free device memory over all processes (``agreed_free_bytes``: every process
+    gets the same number, so all choose alike); ``single`` on one device; fsdp with
+    ``sync_each_microstep`` (the least memory) when nothing fits, said in the log.
+    """
+    devices = jax.devices()
+    if len(devices) == 1:
+        return SingleStrategy()
+    free = agreed_free_bytes() if free_bytes is None else free_bytes
+    estimates = estimate_jax_memory(params, optimizer, num_devices=len(devices),
+                                    precision=precision, platform=devices[0].platform)
+    name, reason = pick_strategy(estimates, device_bytes=free, headroom=headroom)
+    log.info("strategy='auto' chose %s", reason)
+    return {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp": FSDPStrategy}.get(
+        name, lambda: FSDPStrategy(sync_each_microstep=True))()
+
+
+def pick_strategy(estimates: list[JaxMemoryEstimate], *, device_bytes: int,
+                  headroom: float = 0.8) -> tuple[str, str]:
+    """The first of ddp, zero1, fsdp, fsdp-sync whose total fits ``headroom * device_bytes``
+    (fsdp-sync when none does), and a one-line reason."""
+    by_name = {e.strategy: e for e in estimates}
+    budget = headroom * device_bytes
+    order = ("ddp", "zero1", "fsdp", "fsdp-sync")
+    name = next((n for n in order if by_name[n].total_bytes <= budget), "fsdp-sync")
+    verdict = "fits" if by_name[name].total_bytes <= budget else "does not fit (nothing does)"
+    reason = (f"{name}: {by_name[name].total_bytes / 2**30:.2f} GiB per device {verdict} "
+              f"{headroom:.0%} of {device_bytes / 2**30:.2f} GiB; ddp needs "
+              f"{by_name['ddp'].total_bytes / 2**30:.2f} GiB")
+    return name, reason
+
+
+def format_jax_table(estimates: list[JaxMemoryEstimate], *, device_bytes: int | None = None,
+                     headroom: float = 0.8) -> str:
+    """The estimates as an aligned table in GiB (2 decimals), with ``fits`` when a device size
+    is given."""
+    header = ("strategy", "params GiB", "optimizer GiB", "grads GiB", "gathered+copy GiB",
+              "window+act GiB", "total GiB", "fits")
+    rows = [header]
+    for e in estimates:
+        sizes = (e.params_bytes, e.optimizer_bytes, e.grads_bytes, e.working_bytes,
+                 e.other_bytes, e.total_bytes)
+        fits = "-" if device_bytes is None else (
+            "yes" if e.total_bytes <= headroom * device_bytes else "no")
+        rows.append((e.strategy, *(f"{b / 2**30:.2f}" for b in sizes), fits))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
+                                                           zip(r[1:], widths[1:], strict=True)])
+                     for r in rows)
+
+
+def agreed_free_bytes() -> int:
+    """The free memory of one device, the minimum over every process (one collective)."""
+    free = device_free_bytes()
+    if jax.process_count() == 1:
+        return free
+    from jax.experimental import multihost_utils
+
+    # float32 (JAX's default has no int64): 24 bits of mantissa are plenty for a budget.
+    every = multihost_utils.process_allgather(np.asarray([free], np.float32))
+    return int(np.min(np.asarray(every)))
+
+
+def device_free_bytes() -> int:
+    """This process's free memory per local device (host memory shared by them on a CPU)."""
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    limits = [s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats if "bytes_limit" in s]
+    if limits:
+        return int(min(limits))
+    from accumix.memory import _host_available_bytes
+
+    return _host_available_bytes() // max(len(jax.local_devices()), 1)
+
+
+def _param_structs(params: Any) -> Any:
+    # float32 stand-ins: the optimizer's state is sized as it is for float32 master params.
+    if isinstance(params, (int, np.integer)) and not isinstance(params, bool):
+        return [jax.ShapeDtypeStruct((int(params),), np.float32)]
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), np.float32), params)
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _shard(shape: tuple[int, ...], num_devices: int) -> int:
+    return _size(shape) // num_devices if shard_dim(shape, num_devices) is not None else (
+        _size(shape))

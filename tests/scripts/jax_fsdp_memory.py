@@ -1,0 +1,80 @@
+"""The fsdp memory job of issue 21, measured: ``memory_analysis()`` of the compiled window step
+against ``accumix.jax.memory``'s model, per strategy and precision, on this process's devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/scripts/jax_fsdp_memory.py
+
+Prints one JSON object: ``{"<strategy>/<precision>/<layers>": {"measured": bytes, "model":
+bytes}}`` (arguments + temporaries per device). Layers of 512x512 float32 (plus a bias), tanh,
+Adam, K=16, 8 rows per device.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import accumix.jax as axj
+from accumix.jax.memory import estimate_jax_memory
+
+K, WIDTH, ROWS = 16, 512, 8
+
+
+def params(layers: int) -> dict:
+    rng = np.random.default_rng(0)
+    return {f"l{i}": {"w": (rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32),
+                      "b": np.zeros(WIDTH, np.float32)} for i in range(layers)}
+
+
+def make_loss(layers: int):
+    def loss_fn(p, batch, rng):
+        x = batch["x"].astype(p["l0"]["w"].dtype)
+        for i in range(layers):
+            x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+        return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+    return loss_fn
+
+
+def strategy(word: str):
+    return axj.FSDPStrategy(sync_each_microstep=True) if word == "fsdp-sync" else word
+
+
+def measure(word: str, precision: str, layers: int) -> dict[str, int]:
+    """Arguments + temporaries of the compiled step per device, and the model's total."""
+    acc = axj.Accelerator(strategy=strategy(word), precision=precision, grad_accum_steps=K)
+    state = acc.setup(params(layers), optax.adam(1e-3))
+    step = acc.train_step(make_loss(layers))
+    rows = ROWS * acc.local_devices
+    rng = np.random.default_rng(1)
+    window = acc.window([{"x": rng.normal(size=(rows, WIDTH)).astype(np.float32),
+                          "y": rng.normal(size=(rows, WIDTH)).astype(np.float32)}
+                         for _ in range(K)])
+    stats = step.lower(state, window).compile().memory_analysis()
+    window_bytes = sum(x.nbytes for x in jax.tree.leaves(window.batch))
+    model = {e.strategy: e for e in estimate_jax_memory(
+        params(layers), optax.adam(1e-3), num_devices=len(jax.devices()), precision=precision,
+        platform=jax.devices()[0].platform, window_bytes=window_bytes)}[word]
+    return {"measured": int(stats.argument_size_in_bytes + stats.temp_size_in_bytes),
+            "model": int(model.total_bytes)}
+
+
+def main(argv: list[str]) -> None:
+    """``argv``: jobs ``strategy/precision/layers`` (default: every strategy, both precisions,
+    8 layers)."""
+    warnings.simplefilter("ignore")  # bf16 on this CPU is emulated: said once, not per job
+    jobs = argv or [f"{w}/{p}/8" for p in ("fp32", "bf16-mixed")
+                    for w in ("single", "ddp", "zero1", "fsdp", "fsdp-sync")]
+    out = {}
+    for job in jobs:
+        word, precision, layers = job.split("/")
+        out[job] = measure(word, precision, int(layers))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
