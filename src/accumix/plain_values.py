@@ -61,7 +61,10 @@ def plain(obj: Any, where: str) -> Any:
 def numpy_floats() -> Any:
     """The context a ``weights_only`` load reads ``float32``/``float16`` numpy scalars in
     (numpy's scalar constructor and those two dtypes only)."""
-    from numpy._core.multiarray import scalar
+    try:  # numpy >= 2 moved it; pyproject allows numpy 1.x too
+        from numpy._core.multiarray import scalar
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import scalar
 
     return torch.serialization.safe_globals(
         [scalar, np.dtype, np.dtypes.Float32DType, np.dtypes.Float16DType])
