@@ -352,3 +352,24 @@ def optimizer_step(acc: Accelerator, optimizer: AcceleratedOptimizer, closure: A
     if not acc._in_micro_step:  # stepped after the window's block: maybe its last step
         window_end.update_loss_scale(acc)
     return finalizing.first_loss if finalizing is not None else None
+
+
+def clip_grad_norm(acc: Accelerator, max_norm: float, norm_type: float, parameters: Any
+                   ) -> torch.Tensor | None:
+    """``acc.clip_grad_norm_``: finalizes the gradients it reads first, then the strategy clips."""
+    if not isinstance(max_norm, (int, float)) or max_norm <= 0:
+        raise ConfigError(f"clip_grad_norm_(max_norm={max_norm!r}) needs a number > 0")
+    if not acc.sync_gradients:
+        return None
+    if parameters is None:
+        finalize(acc, acc._optimizers)
+        params = _trained_params(acc)
+    else:
+        params = list(parameters)
+        finalize(acc, owners(acc._optimizers, params))
+    return acc.strategy.clip_grad_norm_(params, float(max_norm), float(norm_type))
+
+
+def _trained_params(acc: Accelerator) -> list[torch.nn.Parameter]:
+    """Every set-up optimizer's parameters, once each (read anew: groups may change)."""
+    return list(params_of(o.optimizer for o in acc._optimizers))

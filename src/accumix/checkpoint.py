@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from accumix import fault, rng_state, window_end
+from accumix import accum_steps, fault, rng_state, window_end
 from accumix import run_dir as layout
 from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.errors import AccumixError, CheckpointError, ConfigError
@@ -190,7 +190,7 @@ def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
         "checkpoint_format": acc.strategy.checkpoint_format,
         "precision": acc.policy.name,
         "grad_accum_steps": acc.grad_accum_steps,
-        "grad_accum": acc._batch_geometry(),
+        "grad_accum": accum_steps.geometry(acc),
         "state": {
             "optimizer_steps": acc.optimizer_steps,
             "step_was_skipped": acc.step_was_skipped,
@@ -235,7 +235,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
     if error is None and "grad_accum" in meta:  # older checkpoints did not record K's source
         try:
             steps = resumed_grad_accum_steps(
-                meta["grad_accum"], acc._batch_geometry(),
+                meta["grad_accum"], accum_steps.geometry(acc),
                 global_batch_size=acc._batch_sizes[1], assigned=acc._steps_assigned)
         except ConfigError as exc:
             error = (True, f"acc.load_state({str(path)!r}): {exc}")

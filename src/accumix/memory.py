@@ -2,14 +2,14 @@
 
 Counts the *model states* one data-parallel rank holds (parameters, gradients, optimizer states)
 the way the ZeRO paper does, plus an activation estimate the caller supplies. Imports only
-``accumix.errors`` from accumix, so it loads on its own; torch only where a torch model or device is
-passed (the JAX backend sizes its strategies from a parameter count).
+``accumix.errors``, ``param_counts`` and ``memory_table`` from accumix, none of which loads torch;
+torch only where a torch model or device is passed (the JAX backend sizes its strategies from a
+parameter count).
 """
 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -17,7 +17,12 @@ if TYPE_CHECKING:  # torch loads lazily: the JAX backend sizes its strategies wi
     import torch
     from torch import nn
 
+# The ``x as x`` names are re-exported: callers size models and print tables via accumix.memory.
 from accumix.errors import ConfigError
+from accumix.memory_table import format_table as format_table
+from accumix.param_counts import count_params as count_params
+from accumix.param_counts import gathered_params as gathered_params
+from accumix.param_counts import repeated_blocks as repeated_blocks
 
 # ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models", sections 3.1 and 5.1): mixed-precision Adam holds 2 (fp16 params) + 2 (fp16 grads) +
@@ -148,81 +153,6 @@ class StrategyChoice:
     strategy: str
     sharding: str | None
     reason: str
-
-
-def count_params(module: nn.Module, *, trainable_only: bool = False) -> int:
-    """Count a module's parameters, each shared (tied) parameter once.
-
-    Works on meta-device modules, so a model can be sized before it is allocated.
-
-    Args:
-        module: The model.
-        trainable_only: Count only parameters with ``requires_grad``.
-
-    Returns:
-        The number of parameter elements.
-    """
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
-def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """Find the repeated blocks (e.g. transformer layers) that FSDP wraps one unit each.
-
-    A *stack* is a group of at least two children of one parent that share a class and hold
-    parameters (the blocks of an ``nn.ModuleList`` or ``nn.Sequential``). Stacks nested inside a
-    member of another stack are ignored (a layer's two Linears are not layers), and of the
-    remaining stacks those with the most members win: the class that repeats most at the top.
-
-    Args:
-        module: The model.
-
-    Returns:
-        The blocks, in module order; empty when nothing repeats (the model is one unit).
-    """
-    stacks: list[list[nn.Module]] = []
-    seen: set[int] = set()
-
-    def visit(parent: nn.Module) -> None:
-        by_class: dict[type, list[nn.Module]] = defaultdict(list)
-        for child in parent.children():
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            if count_params(child) > 0:
-                by_class[type(child)].append(child)
-        # Only a group of a single member is looked into: members of a stack are the units.
-        for members in by_class.values():
-            if len(members) >= 2:
-                stacks.append(members)
-            else:
-                visit(members[0])
-
-    visit(module)
-    if not stacks:
-        return []
-    most = max(len(members) for members in stacks)
-    return [block for members in stacks if len(members) == most for block in members]
-
-
-def gathered_params(module: nn.Module) -> int:
-    """Parameters full sharding (FSDP ``full``, ZeRO-3) holds unsharded at once.
-
-    That is the largest repeated block plus every parameter outside the repeated blocks: FSDP2's
-    root unit owns those (embeddings, final norm, head) and keeps them gathered from forward to
-    backward. With no repeated blocks the whole model is one unit.
-
-    Args:
-        module: The model.
-
-    Returns:
-        The number of parameter elements gathered at the peak.
-    """
-    blocks = repeated_blocks(module)
-    if not blocks:
-        return count_params(module)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    outside = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
-    return max(count_params(block) for block in blocks) + outside
 
 
 def estimate_memory(
@@ -406,34 +336,6 @@ def device_free_bytes(device: torch.device | str, *, local_world_size: int = 1) 
     if device.type == "cpu":
         return _host_available_bytes() // local_world_size
     raise ConfigError(f"cannot size memory of device type {device.type!r}; choose cuda or cpu")
-
-
-def format_table(estimates: list[MemoryEstimate]) -> str:
-    """Render estimates as an aligned text table (sizes in GiB, 2 decimals).
-
-    Args:
-        estimates: From ``estimate_memory``.
-
-    Returns:
-        The table, one line per strategy under a header, without a trailing newline.
-    """
-    header = (
-        "strategy",
-        "params GiB",
-        "grads GiB",
-        "optimizer GiB",
-        "activations GiB",
-        "total GiB",
-        "fits",
-    )
-    rows = [header, *(estimate.to_row() for estimate in estimates)]
-    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
-    lines = []
-    for row in rows:
-        cells = [row[0].ljust(widths[0])]
-        cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
 
 
 def _host_available_bytes() -> int:

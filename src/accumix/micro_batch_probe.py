@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from accumix import rng_state
+from accumix import accum_steps, rng_state
 from accumix.data import move_to_device
 from accumix.errors import AccumixError, ConfigError
 from accumix.micro_batch_agreement import (
@@ -97,7 +97,7 @@ def find_micro_batch_size(acc: Accelerator, step: StepFn, make_batch: MakeBatch,
     choice = choose_micro_batch(acc, step, make_batch, headroom=headroom, run_dir=run_dir)
     acc._micro_batch_choice = choice
     acc._batch_sizes = (steps, global_batch, choice.micro_batch_size)
-    acc._window.grad_accum_steps = acc._derive_steps(choice.micro_batch_size) or 1
+    acc._window.grad_accum_steps = accum_steps.derive(acc, choice.micro_batch_size) or 1
     acc._steps_known = True
     acc.strategy.set_batch_geometry(micro_batch_size=choice.micro_batch_size,
                                     grad_accum_steps=acc.grad_accum_steps)

@@ -28,15 +28,17 @@ from jax.sharding import PartitionSpec as P
 
 from accumix.batch_sizes import derive_grad_accum_steps
 from accumix.errors import ConfigError
+from accumix.hardware import peak_flops_by_name
 from accumix.jax import checkpoint, distributed, trainable
-from accumix.jax.data import Window, WindowLoader, canonical, make_window
+from accumix.jax.data import Window, WindowLoader, make_window
 from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.memory import agreed_free_bytes, choose_auto
 from accumix.jax.micro_batch import device_total_bytes, find
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
-from accumix.jax.strategies import AXIS, JaxStrategy, resolve_jax_strategy
+from accumix.jax.step_calls import EvalStep, TrainStep
+from accumix.jax.strategies import JaxStrategy, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
 from accumix.micro_batch_search import (
     DEFAULT_HEADROOM,
@@ -150,8 +152,6 @@ class Accelerator:
         device = jax.local_devices()[0]
         if device.platform != "gpu" or self.policy.compute_dtype == jax.numpy.float32:
             return None
-        from accumix.trainer.callbacks import peak_flops_by_name
-
         return peak_flops_by_name(device.device_kind)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -365,48 +365,6 @@ class Accelerator:
         """Writes the params as ``directory/model.safetensors``: float32, keys ``"a.b.c"``.
         Collective; process 0 writes."""
         return checkpoint.save_model(self, Path(directory), state)
-
-
-class TrainStep:
-    """The jitted step, plus the every-N-steps fp16 floor check (the step never syncs)."""
-
-    def __init__(self, jitted: Any, acc: Accelerator, check_every: int) -> None:
-        self.jitted, self._acc, self._check_every, self._calls = jitted, acc, check_every, 0
-
-    def __call__(self, state: TrainState, window: Window | list[Any]
-                 ) -> tuple[TrainState, dict[str, jax.Array]]:
-        if not isinstance(window, Window):
-            window = self._acc.window(window)
-        state, metrics = self.jitted(state, window)
-        self._calls += 1
-        if self._acc.scaler.enabled and self._calls % self._check_every == 0:
-            self._acc.check(state)
-        return state, metrics
-
-    def lower(self, state: TrainState, window: Window) -> Any:
-        """``jax.jit(...).lower`` of the step (for HLO inspection)."""
-        return self.jitted.lower(state, window)
-
-
-class EvalStep:
-    """``acc.eval_step``'s callable: this process's rows in, the global sums out."""
-
-    def __init__(self, jitted: Any, acc: Accelerator) -> None:
-        self.jitted, self._acc = jitted, acc
-
-    def __call__(self, state: TrainState, batch: Any, weight: float = 1.0
-                 ) -> tuple[jax.Array, jax.Array]:
-        strategy = self._acc.strategy
-        rows = strategy.sharding(P(AXIS))
-        local = jax.tree.map(canonical, batch)
-        first = jax.tree.leaves(local)[0]
-        if first.shape[0] % self._acc.local_devices:
-            raise ConfigError(f"an evaluation batch of {first.shape[0]} rows cannot be split "
-                              f"over this process's {self._acc.local_devices} devices")
-        arrays = jax.tree.map(lambda a: jax.make_array_from_process_local_data(rows, a), local)
-        weights = jax.make_array_from_process_local_data(
-            rows, np.full(first.shape[0], weight, np.float32))
-        return self.jitted(state, arrays, weights)
 
 
 def _host_value(leaf: Any) -> Any:

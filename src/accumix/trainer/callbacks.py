@@ -19,6 +19,7 @@ import torch
 from typing_extensions import override
 
 from accumix.errors import AccumixError, ConfigError
+from accumix.hardware import peak_flops_by_name
 from accumix.trainer.events import Callback
 
 if TYPE_CHECKING:
@@ -26,13 +27,6 @@ if TYPE_CHECKING:
     from accumix.trainer.trainer import Trainer
 
 log = logging.getLogger("accumix")
-
-# Dense bf16/fp16 tensor-core peak per GPU (vendor datasheets, no sparsity), for MFU.
-_PEAK_FLOPS = (
-    ("H200", 989e12), ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12),
-    ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12), ("V100", 125e12),
-)
-
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
@@ -64,11 +58,6 @@ def peak_flops_of(device: torch.device, half_precision: bool) -> float | None:
     if device.type != "cuda" or not half_precision:
         return None
     return peak_flops_by_name(torch.cuda.get_device_name(device))
-
-
-def peak_flops_by_name(name: str) -> float | None:
-    """The datasheet bf16 peak FLOP/s of a GPU named ``name`` (e.g. "NVIDIA H200"), or None."""
-    return next((peak for key, peak in _PEAK_FLOPS if key in name), None)
 
 
 class ThroughputMonitor(Callback):

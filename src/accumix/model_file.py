@@ -1,0 +1,35 @@
+"""``acc.save_model``: the unwrapped model's full state dict as one ``model.safetensors`` file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from safetensors.torch import save_file
+from torch import nn
+
+from accumix.errors import ConfigError
+
+if TYPE_CHECKING:
+    from accumix.accelerator import Accelerator
+
+
+def save_model(acc: Accelerator, directory: str | os.PathLike[str], model: nn.Module | None
+               ) -> Path:
+    """``acc.save_model(directory, model)``: collective; rank 0 writes; returns the path."""
+    if model is None:
+        if len(acc._models) != 1:
+            raise ConfigError(
+                f"save_model needs model= when {len(acc._models)} models are set up"
+            )
+        model = acc._models[0]
+    state = acc.strategy.full_state_dict(model)
+    path = Path(directory) / "model.safetensors"
+    if acc.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Copies: safetensors refuses tensors that share storage (tied embeddings).
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    acc.barrier()
+    return path

@@ -1,0 +1,164 @@
+"""``acc.setup``: models, optimizers, LR schedulers and DataLoaders, wrapped in one call.
+
+Loaders come first (one may fix K and the micro batch an engine needs), then each model with the
+optimizers it owns (through the strategy, ``"auto"`` choosing it at the first model), then the
+optimizers set up after their model, then the schedulers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from accumix import accum_steps
+from accumix.compile import split_compiled
+from accumix.data import AcceleratedDataLoader, with_batch_size
+from accumix.errors import ConfigError
+from accumix.micro_batch_search import is_auto
+from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
+from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
+
+if TYPE_CHECKING:
+    from accumix.accelerator import Accelerator
+
+log = logging.getLogger("accumix")
+
+
+def setup(acc: Accelerator, objects: tuple[Any, ...]) -> Any:
+    """``acc.setup(*objects)``: the prepared objects in the same order; one in, that one out."""
+    for obj in objects:
+        if id(obj) in acc._set_up:
+            raise ConfigError(f"{type(obj).__name__} was already set up; set it up once")
+        if not (isinstance(obj, (nn.Module, Optimizer, DataLoader)) or is_scheduler(obj)):
+            raise ConfigError(
+                f"cannot set up a {type(obj).__name__}; pass nn.Module, torch.optim "
+                "optimizers, LR schedulers and DataLoaders"
+            )
+    result: dict[int, Any] = {}
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    optimizers = [o for o in objects if isinstance(o, Optimizer)]
+    _check_one_model_per_optimizer(models, optimizers)
+    for obj in objects:  # loaders first: one may fix K and the micro batch an engine needs
+        if isinstance(obj, DataLoader):
+            result[id(obj)] = _wrap_loader(acc, obj)
+    for given in models:
+        owned = [o for o in optimizers if _owns(given, o)]
+        # torch.compile'd: its module goes to the strategy, compiled after it (compile.py).
+        model, compiler = split_compiled(given, acc._compile)
+        if acc._auto_strategy:
+            _choose_auto_strategy(acc, model, owned)
+        micro = acc._batch_sizes[2] or next(
+            (w.loader.batch_size for w in acc._loaders if w.loader.batch_size), None)
+        micro = None if is_auto(micro) else micro
+        acc.strategy.set_batch_geometry(micro_batch_size=micro,
+                                        grad_accum_steps=acc.grad_accum_steps)
+        wrapped, opts = acc.strategy.setup(model, owned)
+        if compiler is not None:
+            wrapped = acc.strategy.compile_module(wrapped, compiler)
+        acc._models.append(wrapped)
+        result[id(given)] = wrapped
+        for raw, opt in zip(owned, opts, strict=True):
+            result[id(raw)] = _wrap_optimizer(acc, opt, wrapped)
+    for opt in optimizers:
+        if id(opt) not in result:
+            owner = next((m for m in acc._models if _owns(acc.unwrap(m), opt)), None)
+            if owner is None:
+                raise ConfigError(
+                    "an optimizer's parameters belong to no set-up model; "
+                    "call acc.setup(model, optimizer) with its model"
+                )
+            result[id(opt)] = _wrap_optimizer(acc, acc.strategy.setup_late_optimizer(opt),
+                                              owner)
+    for obj in objects:
+        if is_scheduler(obj):
+            result[id(obj)] = _wrap_scheduler(acc, obj)
+    acc._set_up.update(id(o) for o in objects)
+    out = tuple(result[id(o)] for o in objects)
+    return out[0] if len(out) == 1 else out
+
+
+def _choose_auto_strategy(acc: Accelerator, model: nn.Module, optimizers: list[Optimizer]
+                          ) -> None:
+    """Swaps the provisional ddp for the memory model's choice, before anything is set up."""
+    acc._auto_strategy = False
+    free = agreed_free_bytes(acc.strategy, acc.device, acc.launch.local_world_size)
+    chosen, reason = choose_auto_strategy(
+        model, optimizers, policy=acc.policy, world_size=acc.world_size, device_bytes=free
+    )
+    chosen.connect(launch=acc.launch, device=acc.device, policy=acc.policy,
+                   scaler=acc.strategy.scaler)
+    acc.strategy = chosen
+    log.info("strategy='auto' chose %s", reason)
+
+
+def _wrap_optimizer(acc: Accelerator, optimizer: Optimizer, model: nn.Module
+                    ) -> AcceleratedOptimizer:
+    wrapped = AcceleratedOptimizer(optimizer, acc, model)
+    acc._optimizers.append(wrapped)
+    return wrapped
+
+
+def _wrap_scheduler(acc: Accelerator, scheduler: Any) -> AcceleratedScheduler:
+    # Matched by the param groups the scheduler writes: a strategy may step a rebuilt
+    # optimizer (ZeRO) that shares the user's groups.
+    groups = scheduler.optimizer.param_groups
+    owner = next((o for o in acc._optimizers if o.param_groups is groups), None)
+    if owner is None:
+        raise ConfigError(
+            f"{type(scheduler).__name__}'s optimizer was not set up; "
+            "call acc.setup(model, optimizer, scheduler)"
+        )
+    wrapped = AcceleratedScheduler(scheduler, owner, acc)
+    acc._schedulers.append(wrapped)
+    return wrapped
+
+
+def _wrap_loader(acc: Accelerator, loader: DataLoader) -> AcceleratedDataLoader:
+    _, global_batch, micro = acc._batch_sizes
+    if is_auto(micro):
+        raise ConfigError("micro_batch_size='auto' is not chosen yet: set up the model and "
+                          "optimizer, call acc.find_micro_batch_size(step, make_batch), "
+                          "then set up the DataLoader")
+    if acc._micro_batch_choice is not None:
+        loader = with_batch_size(loader, micro)  # the chosen size, whatever it was given
+    if micro is not None and loader.batch_size not in (None, micro):
+        raise ConfigError(
+            f"DataLoader batch_size={loader.batch_size} differs from micro_batch_size="
+            f"{micro}; make them equal"
+        )
+    if not acc._steps_known and global_batch is not None and loader.batch_size:
+        acc._window.grad_accum_steps = accum_steps.derive(acc, loader.batch_size) or 1
+        acc._steps_known = True
+    wrapped = AcceleratedDataLoader(
+        loader,
+        device=acc.device,
+        rank=acc.launch.rank,
+        world_size=acc.strategy.dp_world_size,
+        seed=acc.seed or 0,
+        on_batch=acc._on_batch,
+        between_batches=acc._between_batches,
+    )
+    acc._loaders.append(wrapped)
+    return wrapped
+
+
+def _check_one_model_per_optimizer(models: list[nn.Module], optimizers: list[Optimizer]) -> None:
+    # Each model is set up with the optimizers it owns: a shared one would be wrapped twice
+    # (and a checkpoint would hold it twice: DCP's KeyError inside save_state).
+    for index, opt in enumerate(optimizers):
+        owners = [i for i, m in enumerate(models) if _owns(m, opt)]
+        if len(owners) > 1:
+            raise ConfigError(
+                f"optimizer {index} ({type(opt).__name__}) holds parameters of models "
+                f"{owners} of this setup call; give each model its own optimizer, or put the "
+                "models in one nn.Module and set that up"
+            )
+
+
+def _owns(model: nn.Module, optimizer: Optimizer) -> bool:
+    mine = {id(p) for p in model.parameters()}
+    return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
