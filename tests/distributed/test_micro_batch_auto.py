@@ -1,10 +1,12 @@
 """2 ranks on gloo: ``micro_batch_size="auto"`` with an out-of-memory error injected on rank 1
 only (in its forward, mid-model; or in its backward): both ranks choose the largest divisor that
 rank 1 can run, nobody hangs, and the run equals the run given that size explicitly, bitwise
-(weights, BatchNorm buffers, dropout's RNG), under ddp, zero1 and fsdp."""
+(weights, BatchNorm buffers, dropout's RNG), under ddp, zero1, fsdp and DeepSpeed ZeRO 1/2 (and the
+engine's counters as the explicit run's); ZeRO-3 is refused in one line."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
+from accumix.errors import ConfigError
 from accumix.testing import ResidualBlock, spawn
 
 GLOBAL, LIMIT_ROWS = 24, 5  # per rank 12: candidates 1, 2, 3, 4, 6, 12; rank 1 runs <= 5 rows
@@ -57,9 +60,13 @@ class Net(nn.Module):
         return self.head(self.drop(h))
 
 
+def _strategy(name: str) -> Any:
+    return ax.DeepSpeedStrategy(stage=int(name[-1])) if name.startswith("zero-") else name
+
+
 def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict[str, Any]]:
-    acc = ax.Accelerator(strategy=strategy, global_batch_size=GLOBAL, micro_batch_size=micro,
-                         seed=0, timeout=60)
+    acc = ax.Accelerator(strategy=_strategy(strategy), global_batch_size=GLOBAL,
+                         micro_batch_size=micro, seed=0, timeout=60)
     net = Net(inject)
     model, optimizer = acc.setup(net, torch.optim.AdamW(net.parameters()))
     generator = torch.Generator().manual_seed(1)
@@ -78,11 +85,16 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
              for k, v in acc.unwrap(model).state_dict().items()}
     chosen = loader.batch_size
     steps = acc.optimizer_steps
+    if strategy.startswith("zero-"):  # the engine's own counters saw no probe
+        state["engine"] = torch.tensor([model.global_steps, model.micro_steps,
+                                        model.global_samples])
     acc.end()
     return chosen, steps, state
 
 
 CASES = {"ddp": ("forward",), "zero1": ("forward",), "fsdp": ("forward", "backward")}
+if importlib.util.find_spec("deepspeed") is not None:
+    CASES |= {"zero-1": ("forward",), "zero-2": ("forward", "backward")}
 
 
 def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
@@ -93,17 +105,25 @@ def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
             chosen, auto_steps, auto = _train(strategy, "auto", inject)
             out[f"{strategy}-{inject}"] = {
                 "chosen": chosen, "steps": (auto_steps, steps),
-                "equal": all(torch.equal(auto[k], explicit[k]) for k in explicit),
+                "unequal": [k for k in explicit if not torch.equal(auto[k], explicit[k])],
                 "trained": not torch.equal(explicit["head.weight"], Net("").head.weight),
             }
+    if "zero-2" in cases:
+        try:
+            _train("zero-3", "auto", "")
+        except ConfigError as exc:
+            out["zero-3"] = str(exc)
     return out
 
 
 def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwise() -> None:
     results = spawn(_job, nprocs=2, args=(CASES,), timeout=300)
     for rank, result in enumerate(results):
+        if "zero-2" in CASES:
+            assert result.pop("zero-3").startswith("micro_batch_size='auto' does not probe "
+                                                   "DeepSpeedStrategy(stage=3)"), rank
         for case, facts in result.items():
             assert facts["chosen"] == 4, (rank, case, facts)  # largest divisor of 12 <= 5
             assert facts["steps"] == (4, 4), (rank, case, facts)  # 48 rows / (4 x K=3)
-            assert facts["equal"], (rank, case)
+            assert facts["unequal"] == [], (rank, case)
             assert facts["trained"], (rank, case)
