@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.testing import ResidualBlock, spawn
+from accumix.testing import ResidualBlock
+from tests.distributed import micro_batch_jobs
 
 GLOBAL, LIMIT_ROWS = 24, 5  # per rank 12: candidates 1, 2, 3, 4, 6, 12; rank 1 runs <= 5 rows
 
@@ -97,7 +98,7 @@ if importlib.util.find_spec("deepspeed") is not None:
     CASES |= {"zero-1": ("forward",), "zero-2": ("forward", "backward")}
 
 
-def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     out = {}
     for strategy, injections in cases.items():
         _, steps, explicit = _train(strategy, 4, "")
@@ -117,8 +118,8 @@ def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
 
 
 def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwise() -> None:
-    results = spawn(_job, nprocs=2, args=(CASES,), timeout=300)
-    for rank, result in enumerate(results):
+    for rank, both in enumerate(micro_batch_jobs.results()):  # one spawn with test_oom_split
+        result = dict(both["auto"])
         if "zero-2" in CASES:
             assert result.pop("zero-3").startswith("micro_batch_size='auto' does not probe "
                                                    "DeepSpeedStrategy(stage=3)"), rank
