@@ -248,10 +248,9 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
     finally:
         for model in acc._models:
             acc.strategy.clear_gradients(model)
-    if failed:  # outside the handler: its traceback (and the tensors it holds) is gone
-        release_cached(acc.device)
+    release_cached(acc.device)  # outside the handler: its traceback (and tensors) is gone
+    if failed:
         agreement.fail(failed)
-    release_cached(acc.device)
     if agreement.kind == ERROR:
         if tolerate:
             raise ProbeError
