@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.errors import ConfigError
+from accumix.micro_batch_probe import measure
 from accumix.testing import ResidualBlock
 from tests.distributed import micro_batch_jobs
 
@@ -73,9 +74,15 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(96, 6, generator=generator),
                          torch.randn(96, 1, generator=generator))
+    bucket = None
     if micro == "auto":
-        acc.find_micro_batch_size(lambda b: nn.functional.mse_loss(model(b[0]), b[1]),
-                                  lambda n: (torch.randn(n, 6), torch.randn(n, 1)))
+        step = lambda b: nn.functional.mse_loss(model(b[0]), b[1])  # noqa: E731
+        make = lambda n: (torch.randn(n, 6), torch.randn(n, 1))  # noqa: E731
+        acc.find_micro_batch_size(step, make)
+        if strategy == "zero-2" and inject == "forward":  # the probe counts ZeRO's buckets
+            itemsize = next(acc.unwrap(model).parameters()).element_size()
+            bucket = (measure(acc, step, make, 2).growth,
+                      model.optimizer.reduce_bucket_size * itemsize)
     loader = acc.setup(DataLoader(data, batch_size=2 if micro == "auto" else micro, shuffle=True))
     for x, y in loader:
         with acc.accumulate():
@@ -90,6 +97,8 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
         state["engine"] = torch.tensor([model.global_steps, model.micro_steps,
                                         model.global_samples])
     acc.end()
+    if bucket is not None:
+        state["bucket"] = bucket
     return chosen, steps, state
 
 
@@ -109,6 +118,8 @@ def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
                 "unequal": [k for k in explicit if not torch.equal(auto[k], explicit[k])],
                 "trained": not torch.equal(explicit["head.weight"], Net("").head.weight),
             }
+            if "bucket" in auto:
+                out["zero-2 bucket"] = auto["bucket"]
     if "zero-2" in cases:
         try:
             _train("zero-3", "auto", "")
@@ -123,6 +134,9 @@ def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwis
         if "zero-2" in CASES:
             assert result.pop("zero-3").startswith("micro_batch_size='auto' does not probe "
                                                    "DeepSpeedStrategy(stage=3)"), rank
+        if "zero-2" in CASES:
+            growth, bucket = result.pop("zero-2 bucket")
+            assert bucket <= growth < bucket + 2**20, (rank, growth, bucket)
         for case, facts in result.items():
             assert facts["chosen"] == 4, (rank, case, facts)  # largest divisor of 12 <= 5
             assert facts["steps"] == (4, 4), (rank, case, facts)  # 48 rows / (4 x K=3)

@@ -17,7 +17,9 @@ and precision:
   it, so the probe errs small, never too large) without accumulating into ``.grad``, so
   ZeRO's post-accumulate hooks, bucket reduction and epilogue never fire: the engine's
   counters (``micro_steps``, ``global_steps``, the optimizer's ``micro_step_id``), its
-  gradient partitions and buckets, and the loss scale are untouched.
+  gradient partitions and buckets, and the loss scale are untouched. The reduction buckets
+  those hooks would allocate (``reduce_bucket_size`` elements each) are allocated beside it,
+  so the peak counts them.
 
 ZeRO-3 partitions the parameters: its forward and backward all-gather them from module hooks
 (prefetching the next modules' ahead of time), which no checkpoint can precede, so stage 3 is
@@ -55,10 +57,28 @@ def module_forward(engine: Any) -> Iterator[None]:
 
 
 def probe_backward(loss: torch.Tensor, engine: Any) -> None:
-    """The probe's backward: every gradient computed, none accumulated, no hook of ZeRO's."""
+    """The probe's backward: every gradient computed, none accumulated, no hook of ZeRO's;
+    the reduction buckets ZeRO's first hook would allocate are held meanwhile."""
     params = [p for p in engine.module.parameters() if p.requires_grad]
+    buckets = reduction_buckets(engine, params[0].device if params else torch.device("cpu"))
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    del grads
+    del grads, buckets
+
+
+def reduction_buckets(engine: Any, device: torch.device) -> list[torch.Tensor]:
+    """What ZeRO 1/2's first gradient hook of a window allocates (``setup_buckets``, freed
+    after each step): one ``reduce_bucket_size`` buffer per communication dtype, two with
+    ``overlap_comm`` (DeepSpeed's default size, 5e8 elements, is 1 GB in bf16). The probe runs
+    none of ZeRO's hooks, so it holds buffers of the same size instead; none when the window
+    in progress has them already."""
+    optimizer = engine.optimizer
+    if not getattr(optimizer, "contiguous_gradients", False) or getattr(
+            optimizer, "ready_for_gradients", True) or not hasattr(optimizer, "ipg_buckets"):
+        return []
+    dtype = optimizer._gradient_reduction_buffer_dtype()
+    count = len(optimizer.ipg_buckets) * (2 if getattr(optimizer, "overlap_comm", False) else 1)
+    return [torch.empty(int(optimizer.reduce_bucket_size), dtype=dtype, device=device)
+            for _ in range(count)]
 
 
 def follow_choice(engine: Any, micro_batch_size: int, grad_accum_steps: int) -> None:
