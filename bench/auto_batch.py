@@ -14,8 +14,11 @@ the one both peers look for). Columns:
   largest that fits *and divides G* (the only ones that keep G exact with an integer K);
 * global trained: rows per optimizer step actually trained afterwards (two steps, counted).
 
-accumix: ``micro_batch_search.largest_fitting`` over the candidates that divide G (bisection),
-with the same "does a forward + backward of n rows raise?" as its fits(); K = G / chosen.
+accumix: the public path, ``acc.find_micro_batch_size(step, make_batch)`` after ``acc.setup``
+(the real probe: forward, backward and the optimizer's first states, state restored), which
+bisects the candidates that divide G; the user's loader is then re-batched to the choice and
+K = G / chosen. On CPU the probe first runs the two smallest candidates (1 and 2) to predict
+the peak of the others (no out-of-memory error before the kernel's OOM killer there).
 Accelerate: ``find_executable_batch_size`` with its documented automatic-accumulation example
 (``examples/by_feature/automatic_gradient_accumulation.py``: start at G, x0.9 per OOM,
 ``gradient_accumulation_steps = G // batch_size``). Lightning: ``Tuner.scale_batch_size``
@@ -37,7 +40,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _common import machine_line, markdown_table
-from accumix.micro_batch_search import candidates, largest_fitting
+from accumix.micro_batch_search import candidates
 
 
 class InjectedOOM(nn.Module):
@@ -82,27 +85,16 @@ def distinct(sizes: list[int]) -> list[int]:
 def run_accumix(global_batch: int, limit: int) -> dict[str, Any]:
     import accumix as ax
 
-    model = InjectedOOM(limit)
-    start = time.perf_counter()
-
-    def fits(n: int) -> bool:
-        x, y = data(n).tensors
-        try:
-            loss_of(model, (x, y)).backward()
-        except torch.OutOfMemoryError:
-            return False
-        finally:
-            model.zero_grad(set_to_none=True)
-        return True
-
-    chosen, probes = largest_fitting(candidates(global_batch, 1), fits)
-    seconds = time.perf_counter() - start
-    trials = distinct(model.sizes)
-    assert chosen is not None and len(trials) == probes
     acc = ax.Accelerator(strategy="single", precision="fp32", global_batch_size=global_batch,
-                         micro_batch_size=chosen)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, opt, loader = acc.setup(model, opt, DataLoader(data(), batch_size=chosen))
+                         micro_batch_size="auto")
+    net = InjectedOOM(limit)
+    model, opt = acc.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    start = time.perf_counter()
+    chosen = acc.find_micro_batch_size(lambda batch: loss_of(model, batch),
+                                       lambda n: data(n).tensors)
+    seconds = time.perf_counter() - start
+    trials = distinct(net.sizes)
+    loader = acc.setup(DataLoader(data(), batch_size=2))  # re-batched to the choice
     rows, per_step = 0, []
     for batch in loader:
         with acc.accumulate():
@@ -206,7 +198,7 @@ def main() -> None:
     g, limit = args.global_batch, args.limit
     divides = max(m for m in candidates(g, 1) if m <= limit)
     rows = []
-    for name, run in (("accumix (largest_fitting over divisors of G)", run_accumix),
+    for name, run in (("accumix acc.find_micro_batch_size", run_accumix),
                       ("Accelerate find_executable_batch_size + K example", run_accelerate),
                       ("Lightning BatchSizeFinder (binsearch)", run_lightning)):
         r = run(g, limit)

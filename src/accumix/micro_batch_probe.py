@@ -26,9 +26,10 @@ each unit that communicates (``Strategy.probe_units``), and one before the backw
 that fails stops and makes exactly one more gather, ``[1, 0, 0]`` (``[2, 0, 0]`` for an error
 other than out-of-memory, which is then raised on every rank); the other ranks meet it at
 their next checkpoint, see the flag and stop there too. Every rank so makes the same number of
-gathers, and no backend collective is ever started on one rank alone. (DeepSpeed ZeRO-2 reduces
-inside its backward's epilogue, out of reach of a checkpoint: an error *during* its backward on
-one rank only is left to the collective timeout there.)
+gathers, and no backend collective is ever started on one rank alone. (DeepSpeed reduces
+from hooks inside its backward, out of reach of a checkpoint: ``Strategy.probe_mode`` and
+``probe_backward`` run its probe beside the engine, with no collective in the backward,
+``strategies/deepspeed_probe``.)
 
 **Probing changes nothing.** Parameters and buffers (this rank's shards) are copied to the host
 once before the search and copied back after it; every RNG stream (python, numpy, torch, CUDA)
@@ -247,10 +248,9 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
     finally:
         for model in acc._models:
             acc.strategy.clear_gradients(model)
-    if failed:  # outside the handler: its traceback (and the tensors it holds) is gone
-        release_cached(acc.device)
+    release_cached(acc.device)  # outside the handler: its traceback (and tensors) is gone
+    if failed:
         agreement.fail(failed)
-    release_cached(acc.device)
     if agreement.kind == ERROR:
         if tolerate:
             raise ProbeError
@@ -266,13 +266,13 @@ def _step_once(acc: Accelerator, step: StepFn, batch: Any, agreement: Agreement)
     batch = move_to_device(batch, acc.device)
     with ExitStack() as no_sync:
         for model in acc._models:
-            no_sync.enter_context(acc.strategy.no_sync(model))
+            no_sync.enter_context(acc.strategy.probe_mode(model))
         try:
             loss = _loss_of(step(batch))
             agreement.checkpoint()  # the backward may communicate (FSDP all-gathers)
             scale = acc.strategy.scaler.scale
-            acc.strategy.backward(loss * scale if scale != 1.0 else loss,
-                                  acc._models[0] if acc._models else None)
+            acc.strategy.probe_backward(loss * scale if scale != 1.0 else loss,
+                                        acc._models[0] if acc._models else None)
             del loss, batch
         finally:  # still without gradient sync: a stopped backward's cleanup must not talk
             for model in acc._models:

@@ -1,10 +1,12 @@
 """2 ranks on gloo: ``micro_batch_size="auto"`` with an out-of-memory error injected on rank 1
 only (in its forward, mid-model; or in its backward): both ranks choose the largest divisor that
 rank 1 can run, nobody hangs, and the run equals the run given that size explicitly, bitwise
-(weights, BatchNorm buffers, dropout's RNG), under ddp, zero1 and fsdp."""
+(weights, BatchNorm buffers, dropout's RNG), under ddp, zero1, fsdp and DeepSpeed ZeRO 1/2 (and the
+engine's counters as the explicit run's); ZeRO-3 is refused in one line."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -14,7 +16,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
-from accumix.testing import ResidualBlock, spawn
+from accumix.errors import ConfigError
+from accumix.micro_batch_probe import measure
+from accumix.testing import ResidualBlock
+from tests.distributed import micro_batch_jobs
 
 GLOBAL, LIMIT_ROWS = 24, 5  # per rank 12: candidates 1, 2, 3, 4, 6, 12; rank 1 runs <= 5 rows
 
@@ -57,17 +62,27 @@ class Net(nn.Module):
         return self.head(self.drop(h))
 
 
+def _strategy(name: str) -> Any:
+    return ax.DeepSpeedStrategy(stage=int(name[-1])) if name.startswith("zero-") else name
+
+
 def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict[str, Any]]:
-    acc = ax.Accelerator(strategy=strategy, global_batch_size=GLOBAL, micro_batch_size=micro,
-                         seed=0, timeout=60)
+    acc = ax.Accelerator(strategy=_strategy(strategy), global_batch_size=GLOBAL,
+                         micro_batch_size=micro, seed=0, timeout=60)
     net = Net(inject)
     model, optimizer = acc.setup(net, torch.optim.AdamW(net.parameters()))
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(96, 6, generator=generator),
                          torch.randn(96, 1, generator=generator))
+    bucket = None
     if micro == "auto":
-        acc.find_micro_batch_size(lambda b: nn.functional.mse_loss(model(b[0]), b[1]),
-                                  lambda n: (torch.randn(n, 6), torch.randn(n, 1)))
+        step = lambda b: nn.functional.mse_loss(model(b[0]), b[1])  # noqa: E731
+        make = lambda n: (torch.randn(n, 6), torch.randn(n, 1))  # noqa: E731
+        acc.find_micro_batch_size(step, make)
+        if strategy == "zero-2" and inject == "forward":  # the probe counts ZeRO's buckets
+            itemsize = next(acc.unwrap(model).parameters()).element_size()
+            bucket = (measure(acc, step, make, 2).growth,
+                      model.optimizer.reduce_bucket_size * itemsize)
     loader = acc.setup(DataLoader(data, batch_size=2 if micro == "auto" else micro, shuffle=True))
     for x, y in loader:
         with acc.accumulate():
@@ -78,14 +93,21 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
              for k, v in acc.unwrap(model).state_dict().items()}
     chosen = loader.batch_size
     steps = acc.optimizer_steps
+    if strategy.startswith("zero-"):  # the engine's own counters saw no probe
+        state["engine"] = torch.tensor([model.global_steps, model.micro_steps,
+                                        model.global_samples])
     acc.end()
+    if bucket is not None:
+        state["bucket"] = bucket
     return chosen, steps, state
 
 
 CASES = {"ddp": ("forward",), "zero1": ("forward",), "fsdp": ("forward", "backward")}
+if importlib.util.find_spec("deepspeed") is not None:
+    CASES |= {"zero-1": ("forward",), "zero-2": ("forward", "backward")}
 
 
-def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     out = {}
     for strategy, injections in cases.items():
         _, steps, explicit = _train(strategy, 4, "")
@@ -93,17 +115,30 @@ def _job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
             chosen, auto_steps, auto = _train(strategy, "auto", inject)
             out[f"{strategy}-{inject}"] = {
                 "chosen": chosen, "steps": (auto_steps, steps),
-                "equal": all(torch.equal(auto[k], explicit[k]) for k in explicit),
+                "unequal": [k for k in explicit if not torch.equal(auto[k], explicit[k])],
                 "trained": not torch.equal(explicit["head.weight"], Net("").head.weight),
             }
+            if "bucket" in auto:
+                out["zero-2 bucket"] = auto["bucket"]
+    if "zero-2" in cases:
+        try:
+            _train("zero-3", "auto", "")
+        except ConfigError as exc:
+            out["zero-3"] = str(exc)
     return out
 
 
 def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwise() -> None:
-    results = spawn(_job, nprocs=2, args=(CASES,), timeout=300)
-    for rank, result in enumerate(results):
+    for rank, both in enumerate(micro_batch_jobs.results()):  # one spawn with test_oom_split
+        result = dict(both["auto"])
+        if "zero-2" in CASES:
+            assert result.pop("zero-3").startswith("micro_batch_size='auto' does not probe "
+                                                   "DeepSpeedStrategy(stage=3)"), rank
+        if "zero-2" in CASES:
+            growth, bucket = result.pop("zero-2 bucket")
+            assert bucket <= growth < bucket + 2**20, (rank, growth, bucket)
         for case, facts in result.items():
             assert facts["chosen"] == 4, (rank, case, facts)  # largest divisor of 12 <= 5
             assert facts["steps"] == (4, 4), (rank, case, facts)  # 48 rows / (4 x K=3)
-            assert facts["equal"], (rank, case)
+            assert facts["unequal"] == [], (rank, case)
             assert facts["trained"], (rank, case)

@@ -5,7 +5,8 @@ and in one boundary micro-step (where the gradient collectives run): the run equ
 run (the same job without the injection) to float tolerance, in mean and item mode, with the
 same optimizer steps and one log line per split. Under ddp also ranks holding different rows
 (rank 0 fewer rows than pieces: one-row pieces weighted zero) and a one-row piece that still
-does not fit (raised on both ranks, no hang). One spawned job runs every check.
+does not fit (raised on both ranks, no hang). One spawned job runs every check, shared with
+test_micro_batch_auto (``micro_batch_jobs``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import accumix as ax
-from accumix.testing import spawn
 from tests import workloads as w
+from tests.distributed import micro_batch_jobs
 from tests.oom_injection import LogLines, make_model
 
 TOL = 1e-6
@@ -77,7 +78,7 @@ def _uneven(*, inject: bool, rows_on_rank0: int = 1, limit: int = 1) -> list[tor
     return [p.detach().numpy().copy() for p in acc.unwrap(model).parameters()]
 
 
-def _job(strategies: list[str]) -> dict[str, Any]:
+def job(strategies: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy in strategies:
         for items in (False, True):
@@ -92,12 +93,13 @@ def _job(strategies: list[str]) -> dict[str, Any]:
     return out
 
 
+STRATEGIES = ["ddp", "fsdp"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
+
+
 def test_out_of_memory_micro_step_is_split_on_every_rank() -> None:
-    strategies = ["ddp", "fsdp"]
-    if importlib.util.find_spec("deepspeed") is not None:
-        strategies.append("deepspeed")
-    results = spawn(_job, nprocs=2, args=(strategies,))
-    for rank, result in enumerate(results):
+    strategies = STRATEGIES
+    for rank, both in enumerate(micro_batch_jobs.results()):  # one spawn with the auto test
+        result = both["split"]
         for name in (f"{s} items={i}" for s in strategies for i in (False, True)):
             plain, split = result[name]
             # rank 1 raised at 4, 2 and 2 rows off the boundary, at 4 rows on it

@@ -1,6 +1,7 @@
 """``micro_batch_size="auto"`` on JAX: the choice read from the compiled window step's
 ``memory_analysis()`` equals an exhaustive check of every candidate, an auto run equals the
-explicit run of the chosen size bitwise, and bad input is a one-line ConfigError.
+explicit run of the chosen size bitwise (the user's DataLoader re-batched to the choice), and
+bad input is a one-line ConfigError.
 (2 processes agreeing: tests/distributed/test_jax_processes.py.)"""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import numpy as np  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import accumix.jax as axj  # noqa: E402
 from accumix.errors import ConfigError  # noqa: E402
@@ -58,15 +60,34 @@ def test_auto_run_equals_the_explicit_run_bitwise() -> None:
     explicit = axj.Accelerator(strategy="ddp", precision="fp32", global_batch_size=G,
                                micro_batch_size=16, seed=1)
     ref = explicit.setup(w.init_params(), w.optimizer())
-    rows = w.micro_batches(2 * 2, rows=16, seed=9)
-    results = []
-    for a, s in ((acc, state), (explicit, ref)):
+    # The user's loader (batch_size=4) is re-batched to the choice: same dataset, shuffle.
+    data = Rows(w.concat(w.micro_batches(4, rows=16, seed=9)))
+    results, shapes = [], []
+    for a, s, size in ((acc, state, 4), (explicit, ref, 16)):
+        windows = a.setup_loader(DataLoader(data, batch_size=size, shuffle=True))
         step = a.train_step(w.mean_loss)
-        for i in range(2):
-            s, _ = step(s, rows[2 * i:2 * i + 2])
+        for window in windows:
+            shapes.append(window.batch["x"].shape)
+            s, _ = step(s, window)
         results.append(jax.tree.map(np.asarray, s.params))
+        results.append(windows.state_dict())
+    assert shapes == [(2, 16, 3, 4)] * 4, shapes  # 64 rows: 2 windows of K=2 x 16, each run
+    assert results[1] == results[3]  # the loader's position: the same resume state
     assert all(np.array_equal(a, b) for a, b in zip(
-        jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True))
+        jax.tree.leaves(results[0]), jax.tree.leaves(results[2]), strict=True))
+
+
+class Rows(Dataset):
+    """The rows of a dict of arrays, one sample each."""
+
+    def __init__(self, rows: dict[str, np.ndarray]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows["x"])
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {k: v[i] for k, v in self.rows.items()}
 
 
 def test_bad_input_is_one_line() -> None:

@@ -33,7 +33,7 @@ from accumix.jax import checkpoint, distributed, trainable
 from accumix.jax.data import Window, WindowLoader, make_window
 from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.memory import agreed_free_bytes, choose_auto
-from accumix.jax.micro_batch import device_total_bytes, find
+from accumix.jax.micro_batch import device_total_bytes, find, rebatched
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
@@ -250,7 +250,7 @@ class Accelerator:
 
     def setup_loader(self, loader: Any) -> WindowLoader:
         """A torch ``DataLoader`` as windows of K batches (``setup``'s third argument, for a
-        loader set up after ``find_micro_batch_size``: its ``batch_size`` must be the choice)."""
+        loader set up after ``find_micro_batch_size``, re-batched to the chosen size)."""
         return self._wrap_loader(loader)
 
     def _wrap_loader(self, loader: Any) -> WindowLoader:
@@ -265,7 +265,8 @@ class Accelerator:
         if is_auto(micro):
             raise ConfigError("micro_batch_size='auto' is chosen before the loader: call "
                               "acc.find_micro_batch_size(state, loss_fn, make_batch), then "
-                              "acc.setup_loader(loader) with that batch_size")
+                              "acc.setup_loader(loader)")
+        loader = rebatched(self, loader)  # to the size micro_batch_size='auto' chose
         if micro is not None and loader.batch_size not in (None, micro):
             raise ConfigError(f"DataLoader batch_size={loader.batch_size} differs from "
                               f"micro_batch_size={micro}; make them equal")

@@ -135,7 +135,19 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
         peak_bytes=int(at_choice[tightest, 0]), limit_bytes=int(at_choice[tightest, 1]),
         tightest_rank=tightest, probes=int(every[:, 1].max()))
     log.info("%s", choice.describe())
+    acc._micro_batch_choice = choice  # what ``rebatched`` reads when the loader is set up
     return choice
+
+
+def rebatched(acc: Accelerator, loader: Any) -> Any:
+    """The user's DataLoader at the micro-batch ``auto`` chose (whatever batch size it was
+    given): the same dataset, sampler (shuffle, generator), collate_fn, workers, so the same
+    exact-resume rules (``accumix.data.with_batch_size``); as given when nothing was chosen."""
+    if getattr(acc, "_micro_batch_choice", None) is None:
+        return loader
+    from accumix.data import with_batch_size
+
+    return with_batch_size(loader, acc._micro_batch_choice.micro_batch_size)
 
 
 def _all_processes(row: list[int]) -> np.ndarray:

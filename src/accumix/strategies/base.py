@@ -150,6 +150,15 @@ class Strategy:
         memory never leaves another inside a collective. Default: the set-up model itself."""
         return [model]
 
+    def probe_mode(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """How ``micro_batch_size="auto"`` runs its probe micro-step on ``model``: with no
+        gradient communication in the backward. Default: ``no_sync``."""
+        return self.no_sync(model)
+
+    def probe_backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
+        """The probe's backward (inside ``probe_mode``): no collective. Default: ``backward``."""
+        self.backward(loss, model)
+
     def state_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer that holds this rank's states, stepped without communicating (what
         ``micro_batch_size="auto"`` copies to measure them): the stepped one itself here."""

@@ -65,7 +65,7 @@ from accumix.compile import Compiler, reporting_failures
 from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
-from accumix.strategies import deepspeed_state
+from accumix.strategies import deepspeed_probe, deepspeed_state
 from accumix.strategies.base import Strategy
 from accumix.strategies.deepspeed_config import (
     deepspeed_config,
@@ -185,6 +185,12 @@ class DeepSpeedStrategy(Strategy):
         return float(self._engines[0].optimizer.loss_scale)
 
     # -- setup -------------------------------------------------------------------------------
+    def set_batch_geometry(self, *, micro_batch_size: int | None, grad_accum_steps: int) -> None:
+        super().set_batch_geometry(micro_batch_size=micro_batch_size,
+                                   grad_accum_steps=grad_accum_steps)
+        for engine in self._engines if micro_batch_size else ():  # 'auto' chose after setup
+            deepspeed_probe.follow_choice(engine, micro_batch_size, grad_accum_steps)
+
     def setup(self, model: nn.Module, optimizers: list[Optimizer]
               ) -> tuple[nn.Module, list[Optimizer]]:
         if self._engines:
@@ -306,11 +312,16 @@ class DeepSpeedStrategy(Strategy):
         )
 
     def probe_units(self, model: nn.Module) -> list[nn.Module]:
-        """Refused: ZeRO reduces inside its backward's epilogue (no point to agree before it)
-        and keeps the window's gradients in its own partitions, which a probe cannot drop."""
-        raise ConfigError("micro_batch_size='auto' does not probe strategy='deepspeed'; give "
-                          "micro_batch_size=N (accumix estimate-memory helps), or use "
-                          "strategy='fsdp', which it probes")
+        """The engine: its forward hook broadcasts BatchNorm buffers (ZeRO 1/2 forwards and the
+        probe's backward do not communicate, ``deepspeed_probe``); stage 3 is refused."""
+        deepspeed_probe.check_probeable(self.stage)
+        return [self._engine(model)]
+
+    def probe_mode(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return deepspeed_probe.module_forward(self._engine(model))
+
+    def probe_backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
+        deepspeed_probe.probe_backward(loss, self._engine(model))
 
     def local_grads(self, params: Any = None) -> list[torch.Tensor]:
         """The gradient partitions this rank's engine holds after the window's last backward."""

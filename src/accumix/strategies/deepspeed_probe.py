@@ -1,0 +1,88 @@
+"""``micro_batch_size="auto"`` under DeepSpeed (0.19): a probe micro-step that starts no
+collective a rank which ran out of memory would miss (``micro_batch_probe``'s protocol).
+
+The engine's own path cannot be probed so: ZeRO-2 reduce-scatters gradient buckets from
+hooks *inside* the backward and runs its epilogue's reduction at the end of it, so an
+out-of-memory error mid-backward on one rank leaves the others in a collective. The probe
+therefore runs the micro-step beside the engine's machinery, on the same module, parameters
+and precision:
+
+* forward: the engine's module is called directly (the engine's ``forward`` would register
+  its output backward hooks, whose prologue enters ZeRO's backward state); the engine's own
+  forward hooks still run (rank 0's BatchNorm buffers are broadcast after the forward, which
+  the probe's checkpoint precedes). ZeRO 1 and 2 hold whole parameters: the forward itself
+  does not communicate.
+* backward: ``torch.autograd.grad`` over the module's trainable parameters. It computes every
+  gradient at its full size (what ZeRO-1 holds; ZeRO-2 would free each bucket after reducing
+  it, so the probe errs small, never too large) without accumulating into ``.grad``, so
+  ZeRO's post-accumulate hooks, bucket reduction and epilogue never fire: the engine's
+  counters (``micro_steps``, ``global_steps``, the optimizer's ``micro_step_id``), its
+  gradient partitions and buckets, and the loss scale are untouched. The reduction buckets
+  those hooks would allocate (``reduce_bucket_size`` elements each) are allocated beside it,
+  so the peak counts them.
+
+ZeRO-3 partitions the parameters: its forward and backward all-gather them from module hooks
+(prefetching the next modules' ahead of time), which no checkpoint can precede, so stage 3 is
+refused with a line saying what works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from accumix.errors import ConfigError
+
+
+def check_probeable(stage: int) -> None:
+    """Raises ``ConfigError`` for the ZeRO stage the probe cannot run safely (3)."""
+    if stage == 3:
+        raise ConfigError("micro_batch_size='auto' does not probe DeepSpeedStrategy(stage=3) "
+                          "(its parameter all-gathers run inside module hooks); use stage=1 or "
+                          "2, strategy='fsdp', or give micro_batch_size=N")
+
+
+@contextmanager
+def module_forward(engine: Any) -> Iterator[None]:
+    """While probing, calling the engine runs its module directly (and the engine's hooks)."""
+    module = engine.module
+    engine.forward = lambda *args, **kwargs: module(*args, **kwargs)
+    try:
+        yield
+    finally:
+        del engine.forward
+
+
+def probe_backward(loss: torch.Tensor, engine: Any) -> None:
+    """The probe's backward: every gradient computed, none accumulated, no hook of ZeRO's;
+    the reduction buckets ZeRO's first hook would allocate are held meanwhile."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    buckets = reduction_buckets(engine, params[0].device if params else torch.device("cpu"))
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    del grads, buckets
+
+
+def reduction_buckets(engine: Any, device: torch.device) -> list[torch.Tensor]:
+    """What ZeRO 1/2's first gradient hook of a window allocates (``setup_buckets``, freed
+    after each step): one ``reduce_bucket_size`` buffer per communication dtype, two with
+    ``overlap_comm`` (DeepSpeed's default size, 5e8 elements, is 1 GB in bf16). The probe runs
+    none of ZeRO's hooks, so it holds buffers of the same size instead; none when the window
+    in progress has them already."""
+    optimizer = engine.optimizer
+    if not getattr(optimizer, "contiguous_gradients", False) or getattr(
+            optimizer, "ready_for_gradients", True) or not hasattr(optimizer, "ipg_buckets"):
+        return []
+    dtype = optimizer._gradient_reduction_buffer_dtype()
+    count = len(optimizer.ipg_buckets) * (2 if getattr(optimizer, "overlap_comm", False) else 1)
+    return [torch.empty(int(optimizer.reduce_bucket_size), dtype=dtype, device=device)
+            for _ in range(count)]
+
+
+def follow_choice(engine: Any, micro_batch_size: int, grad_accum_steps: int) -> None:
+    """The engine was configured before ``auto`` chose (micro-batch 1): its batch bookkeeping
+    (``global_samples``, what its monitors and schedulers read) takes the chosen geometry."""
+    engine.set_train_micro_batch_size(micro_batch_size)
+    engine.set_train_batch_size(micro_batch_size * grad_accum_steps * engine.dp_world_size)
