@@ -144,15 +144,27 @@ def test_the_plain_loop_logs_through_wandb_offline(tmp_path: Path,
     assert config["lr"] == 0.1 and config["model.width"] == 8
 
 
-def test_a_failed_fit_ends_its_mlflow_run_as_failed(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def _wandb_records(folder: Path) -> list[dict]:
+    """An offline W&B run's records, read with W&B's own reader (``wandb leet inspect``)."""
+    out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect",
+                          "--json", str(folder)], capture_output=True, text=True, check=True,
+                         timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_a_failed_fit_ends_every_tracker_run_as_failed(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each store is read back with its own reader: MLflow's client, W&B's offline run file,
+    ClearML's offline session (``task.json``; its status was never set)."""
     import torch
     from mlflow.tracking import MlflowClient
     from torch.utils.data import DataLoader
 
     from tests import workloads as w
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "CLEARML_API_HOST", "CLEARML_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLEARML_OFFLINE_MODE", "1")
     calls = []
 
     def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
@@ -166,14 +178,22 @@ def test_a_failed_fit_ends_its_mlflow_run_as_failed(tmp_path: Path,
     trainer = ax.Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                          train_loader=DataLoader(data, batch_size=4),
                          accelerator=ax.Accelerator(precision="fp32"), step_fn=failing,
-                         max_steps=4, run_dir=tmp_path, loggers=["mlflow"],
+                         max_steps=4, run_dir=tmp_path, loggers=["mlflow", "wandb", "clearml"],
                          progress_bar=False, system_metrics_every=None)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit()
+    ids = json.loads((tmp_path / "trackers.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    run_id = ids["mlflow"]["run_id"]
     assert client.get_run(run_id).info.status == "FAILED"  # was FINISHED
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+    (folder,) = (tmp_path / "wandb").glob(f"offline-run-*-{ids['wandb']['run_id']}")
+    records = _wandb_records(folder)
+    assert [r["exit"]["exit_code"] for r in records if r["type"] == "exit"] == [1]
+    assert [r["history"]["item"]["_step"] for r in records if r["type"] == "history"] == [1, 2]
+    (session,) = ids["clearml"]["offline_sessions"]
+    task = json.loads((tmp_path / "clearml" / "offline" / session / "task.json").read_text())
+    assert (task["status"], task["status_reason"]) == ("failed", "RuntimeError: boom")
 
 
 def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
