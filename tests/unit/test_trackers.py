@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,18 @@ from accumix.trainer.loggers import resolve_loggers
 from accumix.trainer.trackers import base
 from accumix.trainer.trackers.mlflow_logger import MLflowLogger
 from accumix.trainer.trackers.wandb_logger import WandbLogger
+
+
+@pytest.fixture(scope="module")
+def empty_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLflow SQLite store as MLflow creates it: each creation runs every schema migration
+    (seconds), so the tests here copy this one into their run directory where the logger
+    looks (tests/distributed/test_trackers.py lets the logger create its own)."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
 
 
 def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
@@ -153,7 +166,8 @@ def _wandb_records(folder: Path) -> list[dict]:
 
 
 def test_a_failed_fit_ends_every_tracker_run_as_failed(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       empty_mlflow_store: Path) -> None:
     """Each store is read back with its own reader: MLflow's client, W&B's offline run file,
     ClearML's offline session (``task.json``; its status was never set)."""
     import torch
@@ -165,6 +179,7 @@ def test_a_failed_fit_ends_every_tracker_run_as_failed(tmp_path: Path,
     for name in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "CLEARML_API_HOST", "CLEARML_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CLEARML_OFFLINE_MODE", "1")
+    shutil.copy(empty_mlflow_store, tmp_path / "mlflow.db")
     calls = []
 
     def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
@@ -197,7 +212,7 @@ def test_a_failed_fit_ends_every_tracker_run_as_failed(tmp_path: Path,
 
 
 def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, empty_mlflow_store: Path) -> None:
     """MLflow refuses ``[``/``(`` in names and keys over 250 characters by raising, which
     stopped the fit at the first such row; values over 6000 characters it cuts, which must not
     read as a changed param on resume."""
@@ -208,6 +223,7 @@ def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("RANK", "0")
     long_key, long_value = "k" * 300, "v" * 7000
+    shutil.copy(empty_mlflow_store, tmp_path / "mlflow.db")
     for attempt in (0, 1):  # the second: a resume of the same run with the same params
         logger = MLflowLogger()
         logger.open(tmp_path, resume_step=attempt)
@@ -229,12 +245,14 @@ def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
 
 
 def test_the_jax_backend_logs_one_mlflow_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+                                             empty_mlflow_store: Path) -> None:
     pytest.importorskip("jax")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(empty_mlflow_store, run_dir / "mlflow.db")
     assert main(["train", "backend=jax", "nproc=1", "max_steps=3", "eval_every=null",
                  "checkpoint_every=null", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
                  "model.block_size=32", "data.max_files=8", "data.max_val_bytes=500",
