@@ -92,7 +92,7 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"
 _created_group = False
 _exit_registered = False
-_exit_status: object = None  # the argument of the last sys.exit() call (None: none, or clean)
+_exit_status: object = None  # the argument of the last sys.exit() call; None when none
 
 
 def _register_exit_teardown() -> None:
