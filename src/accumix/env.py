@@ -92,6 +92,7 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"
 _created_group = False
 _exit_registered = False
+_exit_status: object = None  # the argument of the last sys.exit() call; None when none
 
 
 def _register_exit_teardown() -> None:
@@ -100,7 +101,31 @@ def _register_exit_teardown() -> None:
         # Registered before the watchdog's handler, so it runs after it: the last thing
         # accumix does before the interpreter finalizes.
         atexit.register(_teardown_at_exit)
+        _record_exit_status()
         _exit_registered = True
+
+
+def _record_exit_status() -> None:
+    """Wraps ``sys.exit`` so the exit handler knows the status a script exits with.
+
+    Why: Python hands an uncaught ``SystemExit`` to no hook and keeps its code from the atexit
+    handlers (``sys.last_value`` stays unset, ``sys.exc_info()`` is empty), so a script's
+    ``sys.exit(1)`` from an ``except`` block looked like a clean exit and destroyed the group,
+    which on NCCL can wait forever for peers that are gone. The wrapper only notes the status
+    and calls the real ``sys.exit``; a bare ``raise SystemExit(1)`` stays unseen.
+    """
+    real_exit = sys.exit
+    if getattr(real_exit, "_accumix", False):
+        return
+
+    def exit(status: object = None) -> None:
+        global _exit_status
+        _exit_status = status
+        real_exit(status)
+
+    exit._accumix = True  # type: ignore[attr-defined]
+    exit.__doc__ = real_exit.__doc__
+    sys.exit = exit  # type: ignore[assignment]
 
 
 def _teardown_at_exit() -> None:
@@ -125,10 +150,11 @@ def _teardown_at_exit() -> None:
     and a ``gc.collect()`` under zero1, fsdp and deepspeed. The backend's destructor, which
     joins them, runs late or never; its ``shutdown()`` and ``abort()`` stop no thread.
 
-    After an uncaught exception the group is aborted instead: a collective may still be
-    pending (the one that raised, or one the other ranks are in), and NCCL's destroy waits for
-    it, possibly forever, where its abort (``ncclCommAbort``) cancels it. gloo takes the same
-    path (its abort only forgets the group).
+    After an uncaught exception, or a ``sys.exit`` with a nonzero status, the group is aborted
+    instead: a collective may still be pending (the one that raised, or one the other ranks
+    are in), and NCCL's destroy waits for it, possibly forever, where its abort
+    (``ncclCommAbort``) cancels it. gloo takes the same path (its abort only forgets the
+    group). ``sys.exit(0)`` (a pre-emption's save-and-exit) keeps the clean destroy.
     """
     if _created_group and dist.is_initialized():
         if _exiting_on_exception():
@@ -143,7 +169,10 @@ def _teardown_at_exit() -> None:
 
 def _exiting_on_exception() -> bool:
     """The interpreter is exiting because of an uncaught exception (Python keeps it in
-    ``sys.last_value`` once it has printed it, before the atexit handlers run)."""
+    ``sys.last_value`` once it has printed it, before the atexit handlers run) or a
+    ``sys.exit`` with a nonzero status (``sys.exit("message")`` too: it exits with 1)."""
+    if _exit_status not in (None, 0):  # False == 0: sys.exit(False) is a clean exit
+        return True
     return getattr(sys, "last_value", None) is not None or getattr(
         sys, "last_exc", None) is not None
 

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -22,16 +21,21 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "resumable_train.py"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _command(run_dir: Path, *args: str, max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            str(SCRIPT), str(run_dir), *args]
+
+
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": str(ROOT / "src")}
+
+
 def _launch(run_dir: Path, *args: str, max_restarts: int = 0, timeout: float = 120.0
             ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(SCRIPT), str(run_dir), *args]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
+    return subprocess.run(_command(run_dir, *args, max_restarts=max_restarts),
+                          capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
 
 
 def _final(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -87,20 +91,43 @@ HANGS = {
 }
 
 
-@pytest.mark.parametrize("where", sorted(HANGS))
-def test_hung_rank_stops_every_process_within_the_timeout(tmp_path: Path, where: str) -> None:
-    args, behind, leader = HANGS[where]
+def test_hung_rank_stops_every_process_within_the_timeout(tmp_path: Path) -> None:
+    # The four jobs run at once: most of each is the wait for the timeout, which overlaps.
     timeout = 3.0
-    run = tmp_path / "hang"
-    result = _launch(run, *args, "--timeout", str(timeout), timeout=90)
-    stopped = time.time()
-    assert result.returncode != 0
-    hung_for = stopped - float((run / "hang_started").read_text())
-    # gloo's timeout on rank 0, the diagnosis (2.5 heartbeats of 0.3 s), rank 1's watchdog
-    # (4.8 s measured; the margin is for a loaded machine).
-    assert hung_for < timeout + 10.0, hung_for
-    assert f"rank(s) 1 are alive but stuck behind ({behind}){leader}" in result.stderr, (
-        result.stderr[-3000:])
-    # Both workers ended with a failure (rank 1 by its watchdog or by the agent).
-    assert result.stderr.count("exitcode  : ") == 2, result.stderr[-2000:]
-    assert "exitcode  : 0" not in result.stderr
+    jobs = {}
+    for where, (args, _, _) in HANGS.items():
+        run = tmp_path / where.replace(" ", "-")
+        err = open(run.with_suffix(".stderr"), "w+")  # noqa: SIM115 - read back below
+        proc = subprocess.Popen(_command(run, *args, "--timeout", str(timeout)),
+                                stdout=subprocess.DEVNULL, stderr=err, text=True, env=ENV,
+                                cwd=ROOT)
+        jobs[where] = (run, proc, err)
+    stopped: dict[str, float] = {}
+    deadline = time.time() + 150
+    try:
+        while len(stopped) < len(jobs) and time.time() < deadline:
+            for where, (_, proc, _) in jobs.items():
+                if where not in stopped and proc.poll() is not None:
+                    stopped[where] = time.time()
+            time.sleep(0.05)
+    finally:
+        for _, proc, _ in jobs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert sorted(stopped) == sorted(jobs), "a job never stopped"
+    for where, (run, proc, err) in jobs.items():
+        _, behind, leader = HANGS[where]
+        err.seek(0)
+        stderr = err.read()
+        err.close()
+        assert proc.returncode != 0, where
+        hung_for = stopped[where] - float((run / "hang_started").read_text())
+        # gloo's timeout on rank 0, the diagnosis (2.5 heartbeats of 0.3 s), rank 1's watchdog
+        # (4.8 s measured; the margin is for a loaded machine).
+        assert hung_for < timeout + 10.0, (where, hung_for)
+        assert f"rank(s) 1 are alive but stuck behind ({behind}){leader}" in stderr, (
+            where, stderr[-3000:])
+        # Both workers ended with a failure (rank 1 by its watchdog or by the agent).
+        assert stderr.count("exitcode  : ") == 2, (where, stderr[-2000:])
+        assert "exitcode  : 0" not in stderr, where

@@ -11,6 +11,7 @@ user's config opts in; fsdp (DTensor parameters) keeps all of them exact.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from torch import nn
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.testing import spawn
+from tests.distributed.shared_spawn import shared_result
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 MICRO, STEPS = 4, 3
@@ -138,9 +139,14 @@ REFUSED = [("zero1", "lamb-clip"),
            *([("deepspeed", "lamb"), ("deepspeed", "adafactor")] if HAS_DEEPSPEED else [])]
 
 
+def shared_job(_: Path) -> tuple[Any, tuple[Any, ...]]:
+    """This module's job, run in the spawn it shares with other modules (conftest.py)."""
+    return _job, (EXACT + REFUSED,)
+
+
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
-    return spawn(_job, 2, (EXACT + REFUSED,), timeout=400)[0]
+def results(shared_spawn: dict[str, list[Any]]) -> dict[str, Any]:
+    return shared_result(shared_spawn, __name__)[0]
 
 
 def test_sharded_optimizers_keep_layerwise_updates_exact(results: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
 """Experiment trackers end to end: a 2-rank ``accumix train loggers=[csv,mlflow,wandb,clearml]``
 job, cut short after a step it logged but never checkpointed, then resumed; every tracker is
 read back through its own library (MLflow's client, ``wandb leet inspect``, ClearML's offline
-session files) and compared with metrics.csv. No process may touch the network: every HTTP(S)
-client is pointed at a loopback listener that counts connections, and it must count none.
+session files), compared with metrics.csv and found ended as finished. No process may touch the
+network: every HTTP(S) client is pointed at a loopback listener that counts connections, and
+it must count none.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def _wandb_attempts(run_dir: Path) -> list[dict]:
         for r in records:
             if r["type"] in ("run", "config"):
                 config.update((r.get("run", r).get("config") or {}).get("update", {}))
-        attempts.append({"run_id": run["run_id"], "history": history, "config": config})
+        exits = [r["exit"]["exit_code"] for r in records if r["type"] == "exit"]
+        attempts.append({"run_id": run["run_id"], "history": history, "config": config,
+                         "exits": exits})
     return attempts
 
 
@@ -127,6 +130,7 @@ def test_one_tracker_run_per_job_resumed_without_duplicate_steps(
     runs = client.search_runs(experiments)
     assert [r.info.run_id for r in runs] == [first_ids["mlflow"]["run_id"]]
     assert ids["mlflow"]["run_id"] == first_ids["mlflow"]["run_id"]
+    assert runs[0].info.status == "FINISHED"
     run_id = runs[0].info.run_id
     history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
     assert history == sorted(losses.items())
@@ -148,6 +152,7 @@ def test_one_tracker_run_per_job_resumed_without_duplicate_steps(
     assert [a["run_id"] for a in attempts] == [first_ids["wandb"]["run_id"]] * 2
     for attempt, steps in zip(attempts, ([1, 2, 3], [3, 4]), strict=True):
         assert [row["_step"] for row in attempt["history"]] == steps
+        assert attempt["exits"] == [0]
         assert [row["loss"] for row in attempt["history"]] == [losses[s] for s in steps]
         assert {"system/rank0/rss_mb", "system/rank1/rss_mb"} <= set(attempt["history"][-1])
         config = attempt["config"]
@@ -164,7 +169,9 @@ def test_one_tracker_run_per_job_resumed_without_duplicate_steps(
         loss = sorted((e["iter"], e["value"]) for e in events if e["metric"] == "loss")
         assert loss == [(s, losses[s]) for s in steps]
         assert {e["metric"] for e in events} >= {"system/rank0", "system/rank1"}
-        hyper = json.loads((folder / "task.json").read_text())["hyperparams"]["accumix"]
+        task = json.loads((folder / "task.json").read_text())
+        assert task["status"] == "completed"
+        hyper = task["hyperparams"]["accumix"]
         assert {k: hyper[k]["value"] for k in ("world_size", "grad_accum_steps",
                                                "global_batch_size", "precision")} == {
             "world_size": "2", "grad_accum_steps": "2", "global_batch_size": "8",

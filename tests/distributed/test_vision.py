@@ -1,9 +1,10 @@
 """2 ranks on gloo, a small conv + BatchNorm net as a vision user trains it (issue 24).
 
-One spawned job; each run trains 4 optimizer steps (K=2, micro-batch 4) on rank-dependent
-batches, saves after step 2 and is then resumed from that checkpoint by a new Accelerator in
-the same process. Checked per run: every rank's parameters and BN buffers, the evaluation loss
-each rank computes through the set-up model, and the loss of the exported model.
+One spawned job, shared with other modules (conftest.py); each run trains 4 optimizer steps
+(K=2, micro-batch 4) on rank-dependent batches, saves after step 2 and is then resumed from that
+checkpoint by a new Accelerator in the same process. Checked per run: every rank's parameters
+and BN buffers, the evaluation loss each rank computes through the set-up model, and the loss
+of the exported model.
 
 1. BN buffers resume bit for bit (ddp, zero1, fsdp, deepspeed): DCP de-duplicates the
    replicated buffers from either rank; rank 0's are the ones that count.
@@ -27,7 +28,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import accumix as ax
-from accumix.testing import spawn
+from tests.distributed.shared_spawn import shared_result
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 STEPS, SAVE_AT, K, MICRO = 4, 2, 2, 4
@@ -143,11 +144,14 @@ if HAS_DEEPSPEED:
     BF16_RUNS += [("deepspeed2", "bf16-mixed", True), ("deepspeed3", "bf16-mixed", False)]
 
 
+def shared_job(root: Path) -> tuple[Any, tuple[Any, ...]]:
+    """This module's job, run in the spawn it shares with other modules (conftest.py)."""
+    return _job, (str(root), FP32_RUNS + BF16_RUNS, [_key(*r) for r in FP32_RUNS])
+
+
 @pytest.fixture(scope="module")
-def vision_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("vision")
-    return spawn(_job, 2, (str(root), FP32_RUNS + BF16_RUNS, [_key(*r) for r in FP32_RUNS]),
-                 timeout=600)
+def vision_results(shared_spawn: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    return shared_result(shared_spawn, __name__)
 
 
 def test_batchnorm_buffers_resume_bit_for_bit(vision_results: list[dict[str, Any]]) -> None:

@@ -60,12 +60,14 @@ def test_first_host(nodelist, host) -> None:
     assert first_host(nodelist) == host
 
 
-@pytest.mark.parametrize("uncaught", [False, True])
+@pytest.mark.parametrize("uncaught,exit_status", [
+    (False, None), (True, None), (False, 0), (False, False), (False, 1), (False, "message")])
 def test_exit_teardown_aborts_the_group_after_an_uncaught_exception(
-        monkeypatch: pytest.MonkeyPatch, uncaught: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, uncaught: bool, exit_status: object) -> None:
     # Issue 20: the exit handler destroyed the group even after an exception with collectives
     # pending; on NCCL destroy waits for them (possibly forever), abort cancels them. gloo takes
-    # the same path; the test sees which one was taken.
+    # the same path; the test sees which one was taken. A script's sys.exit with a nonzero
+    # status is a failure too (it destroyed the group); sys.exit(0) is not.
     import sys
 
     import torch.distributed as dist
@@ -87,6 +89,13 @@ def test_exit_teardown_aborts_the_group_after_an_uncaught_exception(
     for module, name in ((dist, "destroy_process_group"), (c10d, "_abort_process_group")):
         monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
     monkeypatch.setattr(env, "_created_group", True)
+    monkeypatch.setattr(env, "_exit_status", None)
+    monkeypatch.setattr(sys, "exit", sys.exit)  # put back after the test: the handler wraps it
+    env._record_exit_status()
+    if exit_status is not None:
+        with pytest.raises(SystemExit) as exited:
+            sys.exit(exit_status)
+        assert exited.value.code == exit_status
     if uncaught:  # what Python sets once it printed an uncaught exception, before atexit
         monkeypatch.setattr(sys, "last_value", RuntimeError("a collective failed"),
                             raising=False)
@@ -94,5 +103,43 @@ def test_exit_teardown_aborts_the_group_after_an_uncaught_exception(
         monkeypatch.delattr(sys, "last_value", raising=False)
         monkeypatch.delattr(sys, "last_exc", raising=False)
     env._teardown_at_exit()
-    assert taken == (["_abort_process_group"] if uncaught else ["destroy_process_group"])
+    failed = uncaught or exit_status not in (None, 0)
+    assert taken == (["_abort_process_group"] if failed else ["destroy_process_group"])
     assert not dist.is_initialized()
+
+
+_EXITS_WITH_1 = """
+import sys
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from accumix import env
+from accumix.testing import free_port
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                        world_size=1)
+env._created_group = True
+env._register_exit_teardown()
+for module, name in ((dist, "destroy_process_group"), (c10d, "_abort_process_group")):
+    def call(*args, _real=getattr(module, name), _name=name, **kwargs):
+        print("taken:", _name, flush=True)
+        return _real(*args, **kwargs)
+    setattr(module, name, call)
+try:
+    raise RuntimeError("a peer is gone")
+except RuntimeError:
+    sys.exit(1)
+"""
+
+
+def test_a_script_exiting_with_a_nonzero_status_aborts_the_group(tmp_path) -> None:
+    """The real exit: Python gives the atexit handler no trace of an uncaught SystemExit."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "exits_with_1.py"
+    script.write_text(_EXITS_WITH_1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout.split("\n")[:1]) == (1, ["taken: _abort_process_group"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,18 @@ from accumix.trainer.loggers import resolve_loggers
 from accumix.trainer.trackers import base
 from accumix.trainer.trackers.mlflow_logger import MLflowLogger
 from accumix.trainer.trackers.wandb_logger import WandbLogger
+
+
+@pytest.fixture(scope="module")
+def empty_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLflow SQLite store as MLflow creates it: each creation runs every schema migration
+    (seconds), so the tests here copy this one into their run directory where the logger
+    looks (tests/distributed/test_trackers.py lets the logger create its own)."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
 
 
 def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
@@ -144,15 +157,29 @@ def test_the_plain_loop_logs_through_wandb_offline(tmp_path: Path,
     assert config["lr"] == 0.1 and config["model.width"] == 8
 
 
-def test_a_failed_fit_ends_its_mlflow_run_as_failed(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def _wandb_records(folder: Path) -> list[dict]:
+    """An offline W&B run's records, read with W&B's own reader (``wandb leet inspect``)."""
+    out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect",
+                          "--json", str(folder)], capture_output=True, text=True, check=True,
+                         timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_a_failed_fit_ends_every_tracker_run_as_failed(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       empty_mlflow_store: Path) -> None:
+    """Each store is read back with its own reader: MLflow's client, W&B's offline run file,
+    ClearML's offline session (``task.json``; its status was never set)."""
     import torch
     from mlflow.tracking import MlflowClient
     from torch.utils.data import DataLoader
 
     from tests import workloads as w
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "CLEARML_API_HOST", "CLEARML_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLEARML_OFFLINE_MODE", "1")
+    shutil.copy(empty_mlflow_store, tmp_path / "mlflow.db")
     calls = []
 
     def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
@@ -166,18 +193,26 @@ def test_a_failed_fit_ends_its_mlflow_run_as_failed(tmp_path: Path,
     trainer = ax.Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                          train_loader=DataLoader(data, batch_size=4),
                          accelerator=ax.Accelerator(precision="fp32"), step_fn=failing,
-                         max_steps=4, run_dir=tmp_path, loggers=["mlflow"],
+                         max_steps=4, run_dir=tmp_path, loggers=["mlflow", "wandb", "clearml"],
                          progress_bar=False, system_metrics_every=None)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit()
+    ids = json.loads((tmp_path / "trackers.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    run_id = ids["mlflow"]["run_id"]
     assert client.get_run(run_id).info.status == "FAILED"  # was FINISHED
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+    (folder,) = (tmp_path / "wandb").glob(f"offline-run-*-{ids['wandb']['run_id']}")
+    records = _wandb_records(folder)
+    assert [r["exit"]["exit_code"] for r in records if r["type"] == "exit"] == [1]
+    assert [r["history"]["item"]["_step"] for r in records if r["type"] == "history"] == [1, 2]
+    (session,) = ids["clearml"]["offline_sessions"]
+    task = json.loads((tmp_path / "clearml" / "offline" / session / "task.json").read_text())
+    assert (task["status"], task["status_reason"]) == ("failed", "RuntimeError: boom")
 
 
 def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, empty_mlflow_store: Path) -> None:
     """MLflow refuses ``[``/``(`` in names and keys over 250 characters by raising, which
     stopped the fit at the first such row; values over 6000 characters it cuts, which must not
     read as a changed param on resume."""
@@ -188,6 +223,7 @@ def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("RANK", "0")
     long_key, long_value = "k" * 300, "v" * 7000
+    shutil.copy(empty_mlflow_store, tmp_path / "mlflow.db")
     for attempt in (0, 1):  # the second: a resume of the same run with the same params
         logger = MLflowLogger()
         logger.open(tmp_path, resume_step=attempt)
@@ -209,12 +245,14 @@ def test_mlflow_takes_any_column_name_numpy_numbers_and_long_params(
 
 
 def test_the_jax_backend_logs_one_mlflow_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+                                             empty_mlflow_store: Path) -> None:
     pytest.importorskip("jax")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(empty_mlflow_store, run_dir / "mlflow.db")
     assert main(["train", "backend=jax", "nproc=1", "max_steps=3", "eval_every=null",
                  "checkpoint_every=null", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
                  "model.block_size=32", "data.max_files=8", "data.max_val_bytes=500",

@@ -12,6 +12,7 @@ offline, each attempt is a session of its own whose ids ``trackers.json`` lists 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ from typing_extensions import override
 
 from accumix.errors import ConfigError
 from accumix.trainer.trackers.base import TrackerLogger, first_line
+
+# run_outcome's words in ClearML's (its own at-exit hook marks Ctrl-C "stopped")
+_STATUS = {"FINISHED": "completed", "FAILED": "failed", "KILLED": "stopped"}
 
 # Every framework ClearML would patch, off: an empty dict would mean "all on" in some versions.
 _NO_FRAMEWORKS = {name: False for name in (
@@ -62,6 +66,7 @@ class ClearMLLogger(TrackerLogger):
         self.project = project
         self.offline = offline
         self._task: Any = None
+        self._offline = False
 
     @override
     def _start(self, saved: dict[str, Any] | None, resume_step: int) -> dict[str, Any]:
@@ -93,6 +98,7 @@ class ClearMLLogger(TrackerLogger):
             raise ConfigError(f"clearml cannot start a task for {str(self.run_dir)!r} "
                               f"({first_line(exc)}); check CLEARML_API_HOST / clearml.conf, or "
                               "give a writable run_dir for an offline session") from None
+        self._offline = offline
         if offline:
             sessions.append(self._task.id)
         run_id = saved["run_id"] if saved else self._task.id
@@ -118,6 +124,21 @@ class ClearMLLogger(TrackerLogger):
 
     @override
     def _finish(self, status: str) -> None:
-        # status is not passed on: ClearML marks the task as close() does either way
-        self._task.close()
-        self._task = None
+        task, self._task = self._task, None
+        exc = sys.exc_info()[1]
+        reason = first_line(exc) if exc is not None and status != "FINISHED" else status.lower()
+        if self._offline:
+            # Offline, ClearML's status calls send nothing and close() leaves no status in the
+            # session's task.json: the status is written into the task's data, which close()
+            # saves there.
+            task._edit(status=_STATUS[status], status_reason=reason)
+            task.close()
+            return
+        # close() marks the task completed unless ClearML's own exit hook saw an uncaught
+        # exception, which an exception being handled (the Trainer's failure path) is not:
+        # the status is forced after it.
+        task.close()
+        if status == "FAILED":
+            task.mark_failed(status_reason=reason, force=True)
+        elif status == "KILLED":
+            task.stopped(status_reason=reason, force=True)
