@@ -25,7 +25,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
-from accumix.jax.gather import REMAT_POLICY, gather_at_use, name_gathered
+from accumix.jax.gather import gather_at_use, name_gathered
+from accumix.jax.per_use import Leaf, call_at_use
 from accumix.jax.trainable import accum_dtype
 
 AXIS = "data"
@@ -94,9 +95,10 @@ class JaxStrategy:
         """The params pytree ``loss_fn`` receives, built from the differentiated target."""
         return target
 
-    def remat(self, fn: Any) -> Any:
-        """The micro-step's differentiated function as the backward should recompute it."""
-        return fn
+    def call_at_use(self, fn: Any, local: Any, target: Any, specs: Any,
+                    weight: jax.Array) -> Any:
+        """``fn`` (the micro-step's objective of the params pytree) on ``params_at_use``."""
+        return fn(self.params_at_use(local, target, specs, weight))
 
     def gather_params(self, local: Any, specs: Any) -> Any:
         """The full params from this device's shards (fsdp); identity where replicated."""
@@ -193,8 +195,22 @@ class FSDPStrategy(JaxStrategy):
             return name_gathered(full)
         return jax.tree.map(use, local, target, specs)
 
-    def remat(self, fn: Any) -> Any:
-        return jax.checkpoint(fn, policy=REMAT_POLICY)
+    def call_at_use(self, fn: Any, local: Any, target: Any, specs: Any,
+                    weight: jax.Array) -> Any:
+        """``fn`` with each sharded leaf gathered at each use in its jaxpr (``per_use``)."""
+        flat, tree = jax.tree.flatten(local)
+        taps, dims = tree.flatten_up_to(target), [_axis_dim(s) for s in tree.flatten_up_to(specs)]
+        leaves, values = {}, []
+        for i, (x, tap, dim) in enumerate(zip(flat, taps, dims, strict=True)):
+            if dim is None:  # replicated: the identity, its gradient routed to the tap
+                values.append(gather_at_use(x, tap, weight, AXIS, None, self.sync_each_microstep))
+                continue
+            shape = list(x.shape)
+            shape[dim] *= self.num_devices
+            leaves[i] = Leaf(x, tap, dim)
+            values.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
+        return call_at_use(fn, tree.unflatten(values), leaves, weight=weight, axis=AXIS,
+                           scatter=self.sync_each_microstep)
 
     def reduce_grads(self, grads: Any, specs: Any) -> Any:
         if not self.sync_each_microstep:
