@@ -116,7 +116,8 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         d = 1 if name == "single" else num_devices
         full = sum(_size(s) for s in leaves)
         shard = sum(_shard(s, d) for s in leaves)
-        gathered = sum(_size(s) for s in leaves if shard_dim(s, d) is not None)
+        # fsdp gathers at each use (accumix.jax.per_use): one leaf's gathered copy at a time.
+        gathered = max((_size(s) for s in leaves if shard_dim(s, d) is not None), default=0)
         opt_full = sum(_size(s) * b for s, b in opt_leaves)
         opt_shard = sum(_shard(s, d) * b for s, b in opt_leaves)
         fsdp = name.startswith("fsdp")
@@ -132,7 +133,9 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
             grads = 4 * full + in_flight
         else:
             grads = 4 * full + 4 * full + in_flight
-        working = (c * (shard if fsdp else full) if mixed else 0) + (g * gathered if fsdp else 0)
+        # On a CPU a 16-bit leaf is gathered in float32 (g), then cast: both copies at its use.
+        gathered = (g + (c if g != c else 0)) * gathered
+        working = (c * (shard if fsdp else full) if mixed else 0) + (gathered if fsdp else 0)
         other = window_bytes // d + activation_bytes
         out.append(JaxMemoryEstimate(strategy=name, params_bytes=params_bytes,
                                      optimizer_bytes=optimizer_bytes, grads_bytes=grads,
