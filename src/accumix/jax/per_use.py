@@ -10,11 +10,13 @@ on it: a cast, transpose, reshape, broadcast...) runs inside ``use``, a custom V
   parameter's cotangent into the strategy's accumulator tap (``accumix.jax.gather``'s table).
 
 Order and liveness come from data dependencies, not from a whole-step rematerialisation:
-the forward gather is tied to the equation's other inputs (the layer's activation) by an
-``optimization_barrier``, so XLA cannot issue every gather at the start of the step; the
-backward re-gather is tied to the incoming cotangent, so it runs when that layer's backward
-does and CSE cannot merge it with the forward's gather. A parameter used twice (tied
-embeddings) is gathered at each use; its cotangents sum in the tap.
+the forward gather is computed from the equation's other inputs (the layer's activation;
+``_after``), so XLA cannot issue every gather at the start of the step; the backward re-gather
+is computed from the incoming cotangent, so it runs when that layer's backward does and CSE
+cannot merge it with the forward's gather. (``optimization_barrier`` would say the same, but
+XLA's CPU pipeline removes barriers before CSE and scheduling.) A re-gather whose backward
+needs no parameter value (``x @ w`` with no cotangent for ``x``, a bias's add) is dropped.
+A parameter used twice (tied embeddings) is gathered at each use; its cotangents sum.
 
 Per layer: equations at the top level of ``loss_fn`` and inside ``jax.jit``/``closed_call``/
 ``jax.checkpoint`` calls (inlined; a user's checkpoint around a block is dropped when a sharded
@@ -26,8 +28,9 @@ backward). A parameter that ``loss_fn`` returns is gathered like the strategy's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -102,8 +105,8 @@ class _Run:
         self.leaves, self.weight, self.axis, self.scatter = leaves, weight, axis, scatter
 
     def eval(self, jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
 
         def read(v: Any) -> Any:
             return v.val if isinstance(v, Literal) else env[v]
@@ -122,7 +125,7 @@ class _Run:
                 outs = self.eval(inner, list(sub_consts), ins)
             else:
                 outs = self.use(eqn, ins)
-            env.update(zip(eqn.outvars, outs))
+            env.update(zip(eqn.outvars, outs, strict=True))
         return [self.materialize(x) if isinstance(x, _Param) else x
                 for x in (read(v) for v in jaxpr.outvars)]
 
@@ -139,16 +142,17 @@ class _Run:
         refs = [ins[i] for i in slots]
         others = [x for x in ins if not isinstance(x, _Param)]
         leaves = [self.leaves[r.index] for r in refs]
-        pres = [_narrowing_casts(r.chain, leaf.shard.dtype) for r, leaf in zip(refs, leaves)]
-        axis, scatter = self.axis, self.scatter
+        pres = [_narrowing_casts(r.chain, leaf.shard.dtype)
+                for r, leaf in zip(refs, leaves, strict=True)]
+        axis = self.axis
 
         def gather(shards: list[jax.Array]) -> list[jax.Array]:
             return [jax.lax.all_gather(_apply_chain(r.chain[:n], s), axis, axis=leaf.dim,
                                        tiled=True)
-                    for s, r, n, leaf in zip(shards, refs, pres, leaves)]
+                    for s, r, n, leaf in zip(shards, refs, pres, leaves, strict=True)]
 
         def apply(fulls: list[jax.Array], rest: list[Any]) -> list[Any]:
-            vals, it, pit = [], iter(rest), iter(zip(fulls, refs, pres))
+            vals, it, pit = [], iter(rest), iter(zip(fulls, refs, pres, strict=True))
             for i in range(len(ins)):
                 if i in slots:
                     full, r, n = next(pit)
@@ -175,7 +179,8 @@ class _Run:
             _, vjp = jax.vjp(apply, fulls, rest)
             d_fulls, d_rest = vjp(g)
             d_taps = [self._route(d, s, r.chain[:n], leaf, weight)
-                      for d, s, r, n, leaf in zip(d_fulls, shards, refs, pres, leaves)]
+                      for d, s, r, n, leaf in zip(d_fulls, shards, refs, pres, leaves,
+                                                  strict=True)]
             return ([jnp.zeros_like(s) for s in shards], d_taps, jnp.zeros_like(weight),
                     d_rest)
 

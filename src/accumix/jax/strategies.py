@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
-from accumix.jax.gather import gather_at_use, name_gathered
+from accumix.jax.gather import gather_at_use
 from accumix.jax.per_use import Leaf, call_at_use
 from accumix.jax.trainable import accum_dtype
 
@@ -84,7 +84,7 @@ class JaxStrategy:
 
     # -- inside the step's shard_map (per device) -----------------------------------------
     # A micro-step differentiates ``grad_target(local)`` and hands ``loss_fn``
-    # ``params_at_use(local, target)``, inside ``remat(fn)``; its gradient is what accumulates.
+    # ``params_at_use(local, target)`` through ``call_at_use``; its gradient is what accumulates.
     reduces_each_microstep = False
 
     def grad_target(self, local: Any, specs: Any) -> Any:
@@ -147,9 +147,11 @@ class ZeRO1Strategy(JaxStrategy):
 
 
 class FSDPStrategy(JaxStrategy):
-    """Params and optimizer state sharded (ZeRO-3); each leaf gathered in the micro-step at its
-    use and re-gathered in the traced backward (``accumix.jax.gather``, which says what XLA on a
-    CPU makes of it), after the cast to the compute dtype.
+    """Params and optimizer state sharded (ZeRO-3); each leaf gathered in the micro-step at
+    each of its uses in ``loss_fn``'s jaxpr and re-gathered where that use's backward runs
+    (``accumix.jax.per_use``: per layer at the top level and inside jit/checkpoint calls; a
+    scan, loop, cond or custom-derivative function that uses a parameter is one use), after
+    the cast to the compute dtype.
 
     Accumulation: by default each device sums the window's gradients into full-size float32
     accumulators and reduce-scatters them once after the scan (FSDP2 with gradient sync off);
@@ -191,8 +193,7 @@ class FSDPStrategy(JaxStrategy):
 
     def params_at_use(self, local: Any, target: Any, specs: Any, weight: jax.Array) -> Any:
         def use(x: jax.Array, tap: jax.Array, spec: P) -> jax.Array:
-            full = gather_at_use(x, tap, weight, AXIS, _axis_dim(spec), self.sync_each_microstep)
-            return name_gathered(full)
+            return gather_at_use(x, tap, weight, AXIS, _axis_dim(spec), self.sync_each_microstep)
         return jax.tree.map(use, local, target, specs)
 
     def call_at_use(self, fn: Any, local: Any, target: Any, specs: Any,
