@@ -13,14 +13,14 @@ and checked against XLA's ``compiled.memory_analysis()`` (arguments + temporarie
     reduced grads   4*n            4*n            0 (in place)        0 (the accumulators)
     in flight       4*max(n) when mixed           4*max(n)            4*max(n)  (one leaf, float32)
     compute copy    c*n            c*n            c*s(n)              c*s(n)     (mixed only)
-    gathered        0              0              g*n (sharded leaves) g*n
+    gathered        0              0              (g+c')*max(n)        (g+c')*max(n)
     + the window's bytes on the device + activations (the caller's, or the compiled step's)
 
 p stored param bytes, c compute bytes, g the bytes XLA gathers in (the compute dtype; float32 on
-a CPU, whose float normalization gathers 16-bit arrays in float32). The gathered term is what
-the compiled step holds today: gathered at the use and re-gathered in the backward at the JAX
-level, but XLA's CSE on a CPU (which drops ``jax.checkpoint``'s optimization barriers) merges
-each re-gather with the forward's, so every gathered leaf stays alive through the micro-step.
+a CPU, whose float normalization gathers 16-bit arrays in float32), c' = c where g != c (the
+cast copy), else 0. The gathered term is what the compiled step holds: ``accumix.jax.per_use``
+gathers each leaf at each use and re-gathers it in that use's backward, so one leaf's gathered
+copy (the largest sharded leaf) is alive at a time.
 """
 
 from __future__ import annotations

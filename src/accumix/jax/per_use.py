@@ -118,8 +118,8 @@ class _Run:
                 outs = _bind(eqn, ins)
             elif name in CHAIN and len(ins) == 1:
                 outs = [_Param(ins[0].index, (*ins[0].chain, eqn))]
-            elif name in INLINE and "jaxpr" in eqn.params:
-                sub = eqn.params["jaxpr"]
+            elif name in INLINE and ("jaxpr" in eqn.params or "call_jaxpr" in eqn.params):
+                sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
                 inner, sub_consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (
                     sub, [])
                 outs = self.eval(inner, list(sub_consts), ins)
