@@ -174,12 +174,14 @@ def _structured_loss(p, batch, rng):
     """Every kind of use per_use.py handles: a tied (twice used, once transposed) embedding, a
     jitted block and a checkpointed closure (inlined), a scan over stacked layers and a
     custom_jvp function of a parameter (each the whole equation), a bf16 cast (gathered in
-    bf16), and a sum of squares (a use with no activation)."""
+    bf16), a parameter added to a -inf masked score, and a sum of squares (no activation)."""
     jnp = jax.numpy
     x = batch["x"] @ p["emb"]
     x = jax.jit(lambda a, w: jnp.tanh(a @ w))(x, p["proj"])
     x, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["stack"])
     x = jax.checkpoint(lambda a: a * p["scale"])(x) + jax.nn.relu(p["scale"])
+    masked = jnp.where(jnp.arange(8) == 0, -jnp.inf, x)  # a masked score: -inf at [..., 0]
+    x = x + jax.nn.softmax(masked + p["scale"], axis=-1)
     x = (x.astype(jnp.bfloat16) @ p["proj"].astype(jnp.bfloat16)).astype(jnp.float32)
     out = (x @ p["emb"].T).sum(-1)
     err = (out - batch["y"]) ** 2 * batch["mask"]

@@ -217,22 +217,23 @@ def _after(shards: list[jax.Array], anchors: Any) -> list[jax.Array]:
 
     A real data dependency, so the gather that follows cannot be issued before the anchor
     exists nor merged with another gather of the same shard. ``optimization_barrier`` would say
-    the same, but XLA's CPU pipeline removes barriers before CSE and scheduling. ``|a| * 0`` is
-    +0 (or NaN, where the anchor is not finite and the step is lost anyway); ``s - (+0)`` is
-    ``s`` bit for bit, signed zeros included, and XLA does not fold a float product with 0.
+    the same, but XLA's CPU pipeline removes barriers before CSE and scheduling. The added zero
+    is +0 whatever the anchor holds (an infinite or NaN element, as a masked score has, is
+    selected away), ``s - (+0)`` is ``s`` bit for bit, signed zeros included, and XLA folds
+    neither the product with 0 nor the select.
     """
-    arrays = [a for a in jax.tree.leaves(anchors)
-              if jnp.size(a) and _numeric(a)]
+    arrays = [a for a in jax.tree.leaves(anchors) if jnp.size(a) and _numeric(a)]
     if not arrays:
         return shards
-    anchor = max(arrays, key=jnp.size)
-    zero = jnp.abs(jnp.ravel(anchor)[0]).astype(jnp.float32) * 0
+    v = jnp.abs(jnp.ravel(max(arrays, key=jnp.size))[0]).astype(jnp.float32)
+    zero = jnp.where(v < jnp.inf, v * 0, 0.0)
     return [s - zero.astype(s.dtype) for s in shards]
 
 
 def _numeric(x: Any) -> bool:
-    dtype = jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    """A float, complex or integer array (not a bool, not a PRNG key)."""
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
     try:
-        return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+        return bool(jnp.issubdtype(dtype, jnp.number))
     except TypeError:  # an extended dtype (a PRNG key's)
         return False
