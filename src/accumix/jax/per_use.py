@@ -20,10 +20,14 @@ A parameter used twice (tied embeddings) is gathered at each use; its cotangents
 
 Per layer: equations at the top level of ``loss_fn`` and inside ``jax.jit``/``closed_call``/
 ``jax.checkpoint`` calls (inlined; a user's checkpoint around a block is dropped when a sharded
-parameter flows into it). Not per layer: a parameter used inside a ``scan``/``while``/``cond``
-body or a ``custom_jvp``/``custom_vjp`` function: that whole equation is the "use" (gathered
-once for it, the leaf's full copy alive while it runs, and the equation recomputed in the
-backward). A parameter that ``loss_fn`` returns is gathered like the strategy's other leaves.
+parameter flows into it), and inside a ``lax.scan`` over stacked layers: a stacked leaf that
+the scan takes as an ``xs`` (sharded on another axis than the stacking one) is sliced, shard
+and accumulator tap alike, and each slice gathered at its uses in the body, per iteration.
+Not per layer: a parameter that a scan takes as a constant or carry (or sharded on the
+stacking axis), or that a ``while``/``cond`` body or a ``custom_jvp``/``custom_vjp`` function
+uses: that whole equation is the "use" (gathered once for it, the leaf's full copy alive while
+it runs, and the equation recomputed in the backward). A parameter that ``loss_fn`` returns is
+gathered like the strategy's other leaves.
 """
 
 from __future__ import annotations
@@ -123,11 +127,48 @@ class _Run:
                 inner, sub_consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (
                     sub, [])
                 outs = self.eval(inner, list(sub_consts), ins)
+            elif name == "scan" and self._scannable(eqn, ins):
+                outs = self.scan(eqn, ins)
             else:
                 outs = self.use(eqn, ins)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [self.materialize(x) if isinstance(x, _Param) else x
                 for x in (read(v) for v in jaxpr.outvars)]
+
+    def _scannable(self, eqn: Any, ins: list[Any]) -> bool:
+        """Whether each param ``eqn`` (a scan) takes is a stacked leaf scanned over (an
+        ``xs``, unsharded on its leading axis): gathered per iteration inside the body."""
+        start = eqn.params["num_consts"] + eqn.params["num_carry"]
+        return all(i >= start and not x.chain and self.leaves[x.index].dim > 0
+                   for i, x in enumerate(ins) if isinstance(x, _Param))
+
+    def scan(self, eqn: Any, ins: list[Any]) -> list[Any]:
+        """A scan whose stacked params are sliced (shard and tap) per iteration, and each
+        slice gathered at its uses in the body."""
+        params = eqn.params
+        nc, ncarry = params["num_consts"], params["num_carry"]
+        body = params["jaxpr"]
+        consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+        slots = [i for i, x in enumerate(xs) if isinstance(x, _Param)]
+        plain = [x for x in xs if not isinstance(x, _Param)]
+        stacked = [self.leaves[xs[i].index] for i in slots]
+        sliced = (plain, [(leaf.shard, leaf.tap) for leaf in stacked])
+
+        def step(c: list[Any], row: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+            plain_row, leaf_rows = row
+            leaves = {k: Leaf(shard, tap, leaf.dim - 1)
+                      for k, ((shard, tap), leaf) in enumerate(zip(leaf_rows, stacked,
+                                                                   strict=True))}
+            it, args = iter(plain_row), []
+            for i in range(len(xs)):
+                args.append(_Param(slots.index(i)) if i in slots else next(it))
+            inner = _Run(leaves, self.weight, self.axis, self.scatter)
+            outs = inner.eval(body.jaxpr, list(body.consts), [*consts, *c, *args])
+            return outs[:ncarry], outs[ncarry:]
+
+        c, ys = jax.lax.scan(step, list(carry), sliced, length=params["length"],
+                             reverse=params["reverse"], unroll=params["unroll"])
+        return [*c, *ys]
 
     def materialize(self, ref: _Param) -> jax.Array:
         """The whole gathered leaf (a use this module does not see into)."""

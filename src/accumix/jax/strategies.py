@@ -149,9 +149,9 @@ class ZeRO1Strategy(JaxStrategy):
 class FSDPStrategy(JaxStrategy):
     """Params and optimizer state sharded (ZeRO-3); each leaf gathered in the micro-step at
     each of its uses in ``loss_fn``'s jaxpr and re-gathered where that use's backward runs
-    (``accumix.jax.per_use``: per layer at the top level and inside jit/checkpoint calls; a
-    scan, loop, cond or custom-derivative function that uses a parameter is one use), after
-    the cast to the compute dtype.
+    (``accumix.jax.per_use``: per layer at the top level, inside jit/checkpoint calls and per
+    iteration of a scan over stacked layers; a loop, cond or custom-derivative function that
+    uses a parameter is one use), after the cast to the compute dtype.
 
     Accumulation: by default each device sums the window's gradients into full-size float32
     accumulators and reduce-scatters them once after the scan (FSDP2 with gradient sync off);
