@@ -96,5 +96,7 @@ def mean_of_means(windows, params=None):
 
 
 def max_diff(a, b) -> float:
-    return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    """The largest absolute difference; NaN when any element differs by NaN (in numpy: XLA's
+    CPU max skips NaN, and Python's ``max`` keeps an earlier finite value over a later NaN)."""
+    return float(np.max([np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))
+                         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]))

@@ -5,7 +5,7 @@ against ``accumix.jax.memory``'s model, per strategy and precision, on this proc
 
 Prints one JSON object: ``{"<strategy>/<precision>/<layers>": {"measured": bytes, "model":
 bytes}}`` (arguments + temporaries per device). Layers of 512x512 float32 (plus a bias), tanh,
-Adam, K=16, 8 rows per device.
+Adam, K=16, 8 rows per device; a job ending in ``/scan`` stacks the layers and scans them.
 """
 
 from __future__ import annotations
@@ -25,30 +25,41 @@ from accumix.jax.memory import estimate_jax_memory
 K, WIDTH, ROWS = 16, 512, 8
 
 
-def params(layers: int) -> dict:
+def params(layers: int, scan: bool = False) -> dict:
     rng = np.random.default_rng(0)
-    return {f"l{i}": {"w": (rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32),
-                      "b": np.zeros(WIDTH, np.float32)} for i in range(layers)}
+    p = {f"l{i}": {"w": (rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32),
+                   "b": np.zeros(WIDTH, np.float32)} for i in range(layers)}
+    if scan:  # the same layers stacked, for a loss that scans over them
+        return {"w": np.stack([p[f"l{i}"]["w"] for i in range(layers)]),
+                "b": np.stack([p[f"l{i}"]["b"] for i in range(layers)])}
+    return p
 
 
-def make_loss(layers: int):
+def make_loss(layers: int, scan: bool = False):
     def loss_fn(p, batch, rng):
         x = batch["x"].astype(p["l0"]["w"].dtype)
         for i in range(layers):
             x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
         return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
-    return loss_fn
+
+    def scanned(p, batch, rng):
+        x = batch["x"].astype(p["w"].dtype)
+        x, _ = jax.lax.scan(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), x,
+                            (p["w"], p["b"]))
+        return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+    return scanned if scan else loss_fn
 
 
 def strategy(word: str):
     return axj.FSDPStrategy(sync_each_microstep=True) if word == "fsdp-sync" else word
 
 
-def measure(word: str, precision: str, layers: int) -> dict[str, int]:
-    """Arguments + temporaries of the compiled step per device, and the model's total."""
+def measure(word: str, precision: str, layers: int, scan: bool = False) -> dict[str, int]:
+    """Arguments + temporaries of the compiled step per device, and the model's total (of
+    the unstacked layers: the model does not know a scan gathers one slice at a time)."""
     acc = axj.Accelerator(strategy=strategy(word), precision=precision, grad_accum_steps=K)
-    state = acc.setup(params(layers), optax.adam(1e-3))
-    step = acc.train_step(make_loss(layers))
+    state = acc.setup(params(layers, scan), optax.adam(1e-3))
+    step = acc.train_step(make_loss(layers, scan))
     rows = ROWS * acc.local_devices
     rng = np.random.default_rng(1)
     window = acc.window([{"x": rng.normal(size=(rows, WIDTH)).astype(np.float32),
@@ -64,15 +75,15 @@ def measure(word: str, precision: str, layers: int) -> dict[str, int]:
 
 
 def main(argv: list[str]) -> None:
-    """``argv``: jobs ``strategy/precision/layers`` (default: every strategy, both precisions,
-    8 layers)."""
+    """``argv``: jobs ``strategy/precision/layers`` or ``strategy/precision/layers/scan`` (the
+    layers stacked and scanned); default: every strategy, both precisions, 8 layers."""
     warnings.simplefilter("ignore")  # bf16 on this CPU is emulated: said once, not per job
     jobs = argv or [f"{w}/{p}/8" for p in ("fp32", "bf16-mixed")
                     for w in ("single", "ddp", "zero1", "fsdp", "fsdp-sync")]
     out = {}
     for job in jobs:
-        word, precision, layers = job.split("/")
-        out[job] = measure(word, precision, int(layers))
+        word, precision, layers, *scan = job.split("/")
+        out[job] = measure(word, precision, int(layers), scan == ["scan"])
     print(json.dumps(out))
 
 

@@ -1,18 +1,18 @@
-"""fsdp's parameters gathered where the forward uses them, and re-gathered in the backward.
+"""fsdp's whole-leaf gather with its gradient routed to the accumulator (``gather_at_use``).
 
-Inside the step's ``shard_map`` each device holds its shard of every parameter. ``loss_fn``
-still receives the params pytree, but each sharded leaf in it is the output of
-``gather_at_use(shard, tap)``: an all-gather inside the micro-step, whose output is named
-``GATHERED`` so that the micro-step, wrapped in ``jax.checkpoint`` with ``remat_policy``, saves
-every activation except the gathered copies: the traced backward gathers again instead of
-keeping the model gathered from forward to backward (ZeRO-3, as MaxText and FSDP2 do).
+Inside the step's ``shard_map`` each device holds its shard of every parameter. The micro-step
+gathers each sharded leaf at each of its uses in ``loss_fn``'s jaxpr (``accumix.jax.per_use``,
+which says what is gathered layer by layer and what is not); this module's ``gather_at_use``
+is the whole-leaf gather it falls back on (a parameter that ``loss_fn`` returns, the item-count
+forward of fp16 item mode) and the identity for a replicated leaf, whose gradient it routes
+the same way.
 
-Measured limit (XLA CPU, jax 0.10): the CPU compiler drops the checkpoint's optimization
-barriers and its CSE merges each re-gather with the forward's identical all-gather, so every
-gathered leaf stays alive through the micro-step (``accumix.jax.memory`` counts them). Keeping
-them apart (a never-merged random select before each gather) gave 15 all-gathers for 8 layers
-but more memory, not less: XLA's scheduler issued the independent gathers early. Only a data
-dependency on the layer order (a per-layer scan, as MaxText's) would bound them.
+History (measured on XLA CPU, jax 0.10, 8 layers of 512x512, 4 devices): one ``jax.checkpoint``
+around the whole micro-step, saving everything but the gathered copies, held 0.58x of ddp's
+memory, not the 0.50x asked: the checkpoint recomputes the whole forward at the start of the
+backward, XLA's CPU pipeline drops optimization barriers, CSE merges each re-gather with the
+forward's, and the scheduler issues independent gathers early. ``per_use`` ties each gather to
+its layer's activation (forward) or cotangent (backward) by a real data dependency instead.
 
 The gradient is taken with respect to ``tap``, a zero of the accumulator's shape and dtype
 (float32; complex64 for a complex leaf), not the shard: that lets the backward route each
@@ -30,43 +30,11 @@ its scaled gradient was divided): it must multiply before devices are summed.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from accumix.jax.trainable import accum_dtype
-
-GATHERED = "accumix_gathered"
-
-
-def remat_policy(prim: Any, *avals: Any, **params: Any) -> bool:
-    """``jax.checkpoint``'s policy: save every intermediate except a gathered copy.
-
-    The gather (its custom VJP call, its all-gather and its name) must all be unsaveable:
-    saving any one of them keeps the full leaf alive from forward to backward. A complex
-    intermediate is recomputed, not saved: jax 0.10's checkpoint rounds each saved residual
-    with ``reduce_precision``, which refuses complex dtypes (complex params train, issue 19).
-    """
-    if prim.name == "name":
-        return params.get("name") != GATHERED
-    if prim.name == "complex" or any(_is_complex(x) for x in (
-            *avals, params.get("new_dtype"), params.get("preferred_element_type"))):
-        return False
-    return prim.name not in _GATHER_PRIMITIVES
-
-
-def _is_complex(x: Any) -> bool:
-    dtype = getattr(x, "dtype", x)
-    try:
-        return dtype is not None and bool(jnp.issubdtype(dtype, jnp.complexfloating))
-    except TypeError:  # an extended dtype (a PRNG key's)
-        return False
-
-
-_GATHER_PRIMITIVES = frozenset({"all_gather", "custom_vjp_call", "custom_vjp_call_jaxpr"})
-REMAT_POLICY = remat_policy
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -105,8 +73,3 @@ def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
 
 
 gather_at_use.defvjp(_gather_fwd, _gather_bwd)
-
-
-def name_gathered(x: jax.Array) -> jax.Array:
-    """Marks a gathered copy as not worth saving for the backward (``REMAT_POLICY``)."""
-    return checkpoint_name(x, GATHERED)

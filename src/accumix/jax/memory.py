@@ -13,14 +13,14 @@ and checked against XLA's ``compiled.memory_analysis()`` (arguments + temporarie
     reduced grads   4*n            4*n            0 (in place)        0 (the accumulators)
     in flight       4*max(n) when mixed           4*max(n)            4*max(n)  (one leaf, float32)
     compute copy    c*n            c*n            c*s(n)              c*s(n)     (mixed only)
-    gathered        0              0              g*n (sharded leaves) g*n
+    gathered        0              0              (g+c')*max(n)        (g+c')*max(n)
     + the window's bytes on the device + activations (the caller's, or the compiled step's)
 
 p stored param bytes, c compute bytes, g the bytes XLA gathers in (the compute dtype; float32 on
-a CPU, whose float normalization gathers 16-bit arrays in float32). The gathered term is what
-the compiled step holds today: gathered at the use and re-gathered in the backward at the JAX
-level, but XLA's CSE on a CPU (which drops ``jax.checkpoint``'s optimization barriers) merges
-each re-gather with the forward's, so every gathered leaf stays alive through the micro-step.
+a CPU, whose float normalization gathers 16-bit arrays in float32), c' = c where g != c (the
+cast copy), else 0. The gathered term is what the compiled step holds: ``accumix.jax.per_use``
+gathers each leaf at each use and re-gathers it in that use's backward, so one leaf's gathered
+copy (the largest sharded leaf) is alive at a time.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         d = 1 if name == "single" else num_devices
         full = sum(_size(s) for s in leaves)
         shard = sum(_shard(s, d) for s in leaves)
-        gathered = sum(_size(s) for s in leaves if shard_dim(s, d) is not None)
+        # fsdp gathers at each use (accumix.jax.per_use): one leaf's gathered copy at a time.
+        gathered = max((_size(s) for s in leaves if shard_dim(s, d) is not None), default=0)
         opt_full = sum(_size(s) * b for s, b in opt_leaves)
         opt_shard = sum(_shard(s, d) * b for s, b in opt_leaves)
         fsdp = name.startswith("fsdp")
@@ -132,7 +133,9 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
             grads = 4 * full + in_flight
         else:
             grads = 4 * full + 4 * full + in_flight
-        working = (c * (shard if fsdp else full) if mixed else 0) + (g * gathered if fsdp else 0)
+        # On a CPU a 16-bit leaf is gathered in float32 (g), then cast: both copies at its use.
+        gathered = (g + (c if g != c else 0)) * gathered
+        working = (c * (shard if fsdp else full) if mixed else 0) + (gathered if fsdp else 0)
         other = window_bytes // d + activation_bytes
         out.append(JaxMemoryEstimate(strategy=name, params_bytes=params_bytes,
                                      optimizer_bytes=optimizer_bytes, grads_bytes=grads,

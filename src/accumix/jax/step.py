@@ -118,7 +118,11 @@ def build_step(
         def micro_step(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, None]:
             index, micro, valid = xs
 
-            def compute(_: None) -> tuple[Any, ...]:
+            g_acc, l_acc, n_acc, a_acc = carry
+
+            # The gradients are added into the accumulators inside the branch, leaf by leaf as
+            # the backward yields them, not returned whole first (a second full set, alive).
+            def compute(g_acc: Any) -> tuple[Any, ...]:
                 k = jax.random.fold_in(jax.random.fold_in(key, index), device)
                 weight = one
                 if weigh_in_backward:  # the count alone: XLA drops the rest of this forward
@@ -126,23 +130,22 @@ def build_step(
                     weight = jnp.maximum(jnp.asarray(items, jnp.float32), 1.0)
 
                 def at_use(t: Any, shards: Any) -> tuple[jax.Array, tuple[Any, ...]]:
-                    return objective(use(shards, t, weight), micro, k)
+                    return strategy.call_at_use(
+                        lambda p: objective(trainable.merge(p, carried), micro, k),
+                        shards, t, train_specs, weight)
 
-                # The shards are an argument, not a closure, so remat's optimization barrier
-                # covers them (where the backend keeps barriers; see accumix.jax.gather).
-                grad, (loss, items, aux, per) = jax.grad(strategy.remat(at_use),
-                                                         has_aux=True)(target, weights)
+                grad, (loss, items, aux, per) = jax.grad(at_use, has_aux=True)(target, weights)
                 per = one if weigh_in_backward else per
-                grad = jax.tree.map(lambda g: g.astype(accum_dtype(g.dtype)) * per, grad)
+                g_acc = jax.tree.map(lambda a, g: a + g.astype(accum_dtype(g.dtype)) * per,
+                                     g_acc, grad)
                 aux = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
-                return grad, loss, items, aux
+                return g_acc, loss, items, aux
 
-            def skip(_: None) -> tuple[Any, ...]:
-                return zero_grads, jnp.float32(0), jnp.zeros((), n_dtype), zero_aux
+            def skip(g_acc: Any) -> tuple[Any, ...]:
+                return g_acc, jnp.float32(0), jnp.zeros((), n_dtype), zero_aux
 
-            grad, loss, items, aux = jax.lax.cond(valid, compute, skip, None)
-            g_acc, l_acc, n_acc, a_acc = carry
-            return (jax.tree.map(jnp.add, g_acc, grad), l_acc + loss, n_acc + items,
+            g_acc, loss, items, aux = jax.lax.cond(valid, compute, skip, g_acc)
+            return (g_acc, l_acc + loss, n_acc + items,
                     jax.tree.map(jnp.add, a_acc, aux)), None
 
         carry0 = (zero_grads, jnp.float32(0), jnp.zeros((), n_dtype), zero_aux)

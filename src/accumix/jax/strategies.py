@@ -25,7 +25,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
-from accumix.jax.gather import REMAT_POLICY, gather_at_use, name_gathered
+from accumix.jax.gather import gather_at_use
+from accumix.jax.per_use import Leaf, call_at_use
 from accumix.jax.trainable import accum_dtype
 
 AXIS = "data"
@@ -83,7 +84,7 @@ class JaxStrategy:
 
     # -- inside the step's shard_map (per device) -----------------------------------------
     # A micro-step differentiates ``grad_target(local)`` and hands ``loss_fn``
-    # ``params_at_use(local, target)``, inside ``remat(fn)``; its gradient is what accumulates.
+    # ``params_at_use(local, target)`` through ``call_at_use``; its gradient is what accumulates.
     reduces_each_microstep = False
 
     def grad_target(self, local: Any, specs: Any) -> Any:
@@ -94,9 +95,10 @@ class JaxStrategy:
         """The params pytree ``loss_fn`` receives, built from the differentiated target."""
         return target
 
-    def remat(self, fn: Any) -> Any:
-        """The micro-step's differentiated function as the backward should recompute it."""
-        return fn
+    def call_at_use(self, fn: Any, local: Any, target: Any, specs: Any,
+                    weight: jax.Array) -> Any:
+        """``fn`` (the micro-step's objective of the params pytree) on ``params_at_use``."""
+        return fn(self.params_at_use(local, target, specs, weight))
 
     def gather_params(self, local: Any, specs: Any) -> Any:
         """The full params from this device's shards (fsdp); identity where replicated."""
@@ -145,9 +147,11 @@ class ZeRO1Strategy(JaxStrategy):
 
 
 class FSDPStrategy(JaxStrategy):
-    """Params and optimizer state sharded (ZeRO-3); each leaf gathered in the micro-step at its
-    use and re-gathered in the traced backward (``accumix.jax.gather``, which says what XLA on a
-    CPU makes of it), after the cast to the compute dtype.
+    """Params and optimizer state sharded (ZeRO-3); each leaf gathered in the micro-step at
+    each of its uses in ``loss_fn``'s jaxpr and re-gathered where that use's backward runs
+    (``accumix.jax.per_use``: per layer at the top level, inside jit/checkpoint calls and per
+    iteration of a scan over stacked layers; a loop, cond or custom-derivative function that
+    uses a parameter is one use), after the cast to the compute dtype.
 
     Accumulation: by default each device sums the window's gradients into full-size float32
     accumulators and reduce-scatters them once after the scan (FSDP2 with gradient sync off);
@@ -189,12 +193,25 @@ class FSDPStrategy(JaxStrategy):
 
     def params_at_use(self, local: Any, target: Any, specs: Any, weight: jax.Array) -> Any:
         def use(x: jax.Array, tap: jax.Array, spec: P) -> jax.Array:
-            full = gather_at_use(x, tap, weight, AXIS, _axis_dim(spec), self.sync_each_microstep)
-            return name_gathered(full)
+            return gather_at_use(x, tap, weight, AXIS, _axis_dim(spec), self.sync_each_microstep)
         return jax.tree.map(use, local, target, specs)
 
-    def remat(self, fn: Any) -> Any:
-        return jax.checkpoint(fn, policy=REMAT_POLICY)
+    def call_at_use(self, fn: Any, local: Any, target: Any, specs: Any,
+                    weight: jax.Array) -> Any:
+        """``fn`` with each sharded leaf gathered at each use in its jaxpr (``per_use``)."""
+        flat, tree = jax.tree.flatten(local)
+        taps, dims = tree.flatten_up_to(target), [_axis_dim(s) for s in tree.flatten_up_to(specs)]
+        leaves, values = {}, []
+        for i, (x, tap, dim) in enumerate(zip(flat, taps, dims, strict=True)):
+            if dim is None:  # replicated: the identity, its gradient routed to the tap
+                values.append(gather_at_use(x, tap, weight, AXIS, None, self.sync_each_microstep))
+                continue
+            shape = list(x.shape)
+            shape[dim] *= self.num_devices
+            leaves[i] = Leaf(x, tap, dim)
+            values.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
+        return call_at_use(fn, tree.unflatten(values), leaves, weight=weight, axis=AXIS,
+                           scatter=self.sync_each_microstep)
 
     def reduce_grads(self, grads: Any, specs: Any) -> Any:
         if not self.sync_each_microstep:
