@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from accumix.errors import ConfigError
+from accumix.jax import trainable
 from accumix.jax.strategies import (
     DDPStrategy,
     FSDPStrategy,
@@ -45,6 +47,7 @@ from accumix.jax.strategies import (
 log = logging.getLogger("accumix")
 
 JAX_STRATEGIES = ("single", "ddp", "zero1", "fsdp", "fsdp-sync")
+_SHARDED_UPDATE = ("zero1", "fsdp", "fsdp-sync")
 _DTYPE_BYTES = {"fp32": (4, 4), "bf16-mixed": (4, 2), "fp16-mixed": (4, 2), "bf16-true": (2, 2)}
 
 
@@ -102,15 +105,20 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         raise ConfigError(f"num_devices={num_devices!r} is invalid; use an integer >= 1")
     p, c = _DTYPE_BYTES[precision]
     g = 4 if platform == "cpu" else c
-    structs = _param_structs(params)
+    # Only float leaves train (accumix.jax.trainable): carried leaves (integer counters, PRNG
+    # keys) are stored once in their own dtype, with no gradient and no optimizer state.
+    structs = _param_structs(params, np.float32 if p == 4 else jnp.bfloat16)
+    carried = _carried_leaves(params)
     leaves = [tuple(x.shape) for x in jax.tree.leaves(structs)]
     if optimizer is not None:
+        # Sized on the stored dtype, as the step builds it (bf16-true: bfloat16 Adam moments).
         opt_leaves = [(tuple(x.shape), np.dtype(x.dtype).itemsize)
                       for x in jax.tree.leaves(jax.eval_shape(optimizer.init, structs))]
     else:
-        opt_leaves = [(s, 4) for s in leaves for _ in range(optimizer_states)]
+        opt_leaves = [(s, p) for s in leaves for _ in range(optimizer_states)]
     # A bare count has no leaves to size the one in flight by: left out.
-    largest = 0 if isinstance(params, (int, np.integer)) else max(_size(s) for s in leaves)
+    bare = isinstance(params, (int, np.integer))
+    largest = 0 if bare or not leaves else max(_size(s) for s in leaves)
     out = []
     for name in JAX_STRATEGIES:
         d = 1 if name == "single" else num_devices
@@ -121,7 +129,12 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         opt_shard = sum(_shard(s, d) * b for s, b in opt_leaves)
         fsdp = name.startswith("fsdp")
         mixed = c != p
-        params_bytes = p * (shard if fsdp else full)
+        # Carried leaves rest where the strategy places them; fsdp gathers the sharded ones
+        # plainly for the window (a full copy, no gradient).
+        carried_rest = sum((_shard(s, d) if fsdp else _size(s)) * b for s, b in carried)
+        carried_gathered = sum(_size(s) * b for s, b in carried
+                               if fsdp and shard_dim(s, d) is not None)
+        params_bytes = p * (shard if fsdp else full) + carried_rest
         optimizer_bytes = opt_full if name in ("single", "ddp") else opt_shard
         # One leaf's float32 gradient in flight (cast from the compute dtype, or on its way
         # to a reduce-scatter) before it joins its accumulator.
@@ -132,7 +145,14 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
             grads = 4 * full + in_flight
         else:
             grads = 4 * full + 4 * full + in_flight
+        if precision == "fp16-mixed" and name in _SHARDED_UPDATE:
+            # Measured (Adam, 2 and 4 devices): the loss scale's skip selects between the old
+            # and the new sharded state once the global overflow check is known; XLA holds the
+            # new optimizer state beside the old (a copy of the sharded accumulators with
+            # sync_each_microstep). ddp's update fuses with the select (within 5% without).
+            grads += 4 * shard if name == "fsdp-sync" else opt_shard
         working = (c * (shard if fsdp else full) if mixed else 0) + (g * gathered if fsdp else 0)
+        working += carried_gathered
         other = window_bytes // d + activation_bytes
         out.append(JaxMemoryEstimate(strategy=name, params_bytes=params_bytes,
                                      optimizer_bytes=optimizer_bytes, grads_bytes=grads,
@@ -218,11 +238,31 @@ def device_free_bytes() -> int:
     return _host_available_bytes() // max(len(jax.local_devices()), 1)
 
 
-def _param_structs(params: Any) -> Any:
-    # float32 stand-ins: the optimizer's state is sized as it is for float32 master params.
+def _param_structs(params: Any, dtype: Any) -> Any:
+    """The trainable leaves as ``dtype`` stand-ins (the stored dtype: the optimizer's state is
+    sized as the step builds it), None at the carried ones (as ``trainable.select`` gives the
+    optimizer)."""
     if isinstance(params, (int, np.integer)) and not isinstance(params, bool):
-        return [jax.ShapeDtypeStruct((int(params),), np.float32)]
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), np.float32), params)
+        return [jax.ShapeDtypeStruct((int(params),), dtype)]
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), dtype)
+                        if trainable.is_trainable(x) else None, params)
+
+
+def _carried_leaves(params: Any) -> list[tuple[tuple[int, ...], int]]:
+    """``(shape, bytes per element)`` of each carried leaf (integers, booleans, PRNG keys)."""
+    if isinstance(params, (int, np.integer)):
+        return []
+    out = []
+    for x in jax.tree.leaves(params):
+        if trainable.is_trainable(x):
+            continue
+        dtype = x.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # its key data: uint32 words
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, dtype))
+            out.append((tuple(x.shape), _size(data.shape[len(x.shape):]) * data.dtype.itemsize))
+        else:
+            out.append((tuple(x.shape), np.dtype(dtype).itemsize))
+    return out
 
 
 def _size(shape: tuple[int, ...]) -> int:
