@@ -136,9 +136,9 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
                                if fsdp and shard_dim(s, d) is not None)
         params_bytes = p * (shard if fsdp else full) + carried_rest
         optimizer_bytes = opt_full if name in ("single", "ddp") else opt_shard
-        # One leaf's float32 gradient in flight (cast from the compute dtype, or on its way
-        # to a reduce-scatter) before it joins its accumulator.
-        in_flight = 4 * largest if (fsdp or mixed) else 0
+        # One leaf's float32 gradient in flight (cast from a 16-bit compute dtype, bf16-true's
+        # too, or on its way to a reduce-scatter) before it joins its accumulator.
+        in_flight = 4 * largest if (fsdp or c != 4) else 0
         if name == "fsdp-sync":
             grads = 4 * shard + in_flight
         elif fsdp:  # the window's reduce-scatter writes over the accumulators
@@ -198,17 +198,19 @@ def pick_strategy(estimates: list[JaxMemoryEstimate], *, device_bytes: int,
 
 def format_jax_table(estimates: list[JaxMemoryEstimate], *, device_bytes: int | None = None,
                      headroom: float = 0.8) -> str:
-    """The estimates as an aligned table in GiB (2 decimals), with ``fits`` when a device size
-    is given."""
-    header = ("strategy", "params GiB", "optimizer GiB", "grads GiB", "gathered+copy GiB",
-              "window+act GiB", "total GiB", "fits")
+    """The estimates as an aligned table (2 decimals) in GiB, or in MiB when every total is
+    under 1 GiB, with ``fits`` when a device size is given."""
+    unit, scale = ("GiB", 2**30) if max(e.total_bytes for e in estimates) >= 2**30 else (
+        "MiB", 2**20)
+    header = ("strategy", *(f"{name} {unit}" for name in (
+        "params", "optimizer", "grads", "gathered+copy", "window+act", "total")), "fits")
     rows = [header]
     for e in estimates:
         sizes = (e.params_bytes, e.optimizer_bytes, e.grads_bytes, e.working_bytes,
                  e.other_bytes, e.total_bytes)
         fits = "-" if device_bytes is None else (
             "yes" if e.total_bytes <= headroom * device_bytes else "no")
-        rows.append((e.strategy, *(f"{b / 2**30:.2f}" for b in sizes), fits))
+        rows.append((e.strategy, *(f"{b / scale:.2f}" for b in sizes), fits))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
                                                            zip(r[1:], widths[1:], strict=True)])
