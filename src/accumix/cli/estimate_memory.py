@@ -91,6 +91,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
     if (args.backend or config.backend) == "jax":
+        _host_devices(world)
         return _run_jax(args, config, world, precision)
     micro = config.micro_batch_size
     if micro == "auto" and args.params is None:
@@ -153,18 +154,12 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
         label = f"the recipe's GPT ({gpt_jax.num_parameters(shape):,} parameters"
         micro = config.micro_batch_size
         if isinstance(micro, int):
-            from accumix.jax.compiled_memory import measured_activation_bytes
-
+            activations, how = _jax_activations(config, params, optimizer, devices, precision)
             steps = max(1, config.global_batch_size // (devices * micro))
-            batch = default_jax.micro_batch_shapes(shape, micro)
-            activations = measured_activation_bytes(
-                default_jax.make_loss_fn(shape), params, optimizer, batch,
-                grad_accum_steps=steps, precision=precision, clip_norm=config.grad_clip)
             # The window as the step holds it: K micro-batches of every device's rows.
             window_bytes = devices * steps * 2 * micro * shape.block_size * 4
             label += (f", micro batch {micro} x {shape.block_size} tokens per device, K={steps};"
-                      f" activations {activations / 2**20:.1f} MiB per device measured from "
-                      "XLA: memory_analysis() of the compiled window step)")
+                      f" activations measured from XLA: memory_analysis() of {how})")
         else:  # micro_batch_size=auto: the JAX recipe has no probe here
             label += "; micro_batch_size=auto: activations not counted)"
     device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
@@ -181,6 +176,52 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
     print(format_jax_table(estimates, device_bytes=device_bytes))
     print(f"auto: {reason}")
     return 0
+
+
+def _host_devices(count: int) -> None:
+    """Lets JAX's CPU backend show ``count`` host devices, so that each strategy's step can be
+    compiled on the world's mesh: only before JAX is loaded, and never over the user's own
+    setting (it changes nothing on a GPU or TPU)."""
+    import os
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _jax_activations(config: Any, params: Any, optimizer: Any, devices: int,
+                     precision: str) -> tuple[dict[str, int], str]:
+    """Each row's activations per device from the recipe's compiled window step (lowered and
+    compiled for shapes, never run): on ``devices`` devices where this process has them (a CPU
+    gets them as host devices, set before JAX loads), else on one device for every row."""
+    import jax
+
+    from accumix.jax.compiled_memory import measured_activation_bytes, strategy_for_row
+    from accumix.jax.memory import JAX_STRATEGIES
+    from accumix.recipes import default_jax
+
+    shape, micro = config.model, config.micro_batch_size
+    every = jax.devices()
+    own = len(every) >= devices
+    out = {}
+    for row in JAX_STRATEGIES:
+        per = devices if own and row != "single" else 1
+        steps = max(1, config.global_batch_size // (devices * micro))
+        if row == "single":  # one device takes every device's micro-batches
+            steps = max(1, config.global_batch_size // micro)
+        if not own and out:
+            out[row] = out["single"]
+            continue
+        strategy = strategy_for_row(row, every[:per])
+        out[row] = measured_activation_bytes(
+            default_jax.make_loss_fn(shape), params, optimizer,
+            default_jax.micro_batch_shapes(shape, micro), grad_accum_steps=steps,
+            precision=precision, clip_norm=config.grad_clip, strategy=strategy)
+    how = ("each strategy's compiled window step" if own else
+           f"the compiled one-device window step (this process has {len(every)} of the "
+           f"{devices} devices)")
+    return out, how
 
 
 def _probe_recipe(config: object) -> int:

@@ -26,6 +26,7 @@ each re-gather with the forward's, so every gathered leaf stays alive through th
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,8 @@ class JaxMemoryEstimate:
 def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
                         precision: str = "fp32", platform: str = "cpu",
                         optimizer_states: int = 2, window_bytes: int = 0,
-                        activation_bytes: int = 0) -> list[JaxMemoryEstimate]:
+                        activation_bytes: int | Mapping[str, int] = 0
+                        ) -> list[JaxMemoryEstimate]:
     """The per-device bytes of every JAX strategy (order of ``JAX_STRATEGIES``).
 
     Args:
@@ -94,7 +96,9 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         platform: the devices' platform; on ``"cpu"`` XLA gathers 16-bit params in float32.
         optimizer_states: states per parameter when ``optimizer`` is None.
         window_bytes: one window's bytes over all devices (split over D, whole on ``single``).
-        activation_bytes: activations per device (e.g. from a compiled step), added to each.
+        activation_bytes: activations per device (e.g. from a compiled step,
+            ``accumix.jax.compiled_memory``) added to each row, or a mapping of a row's name
+            to its own (rows it lacks: 0).
 
     Raises:
         ConfigError: an unknown precision, or ``num_devices < 1``.
@@ -153,7 +157,8 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
             grads += 4 * shard if name == "fsdp-sync" else opt_shard
         working = (c * (shard if fsdp else full) if mixed else 0) + (g * gathered if fsdp else 0)
         working += carried_gathered
-        other = window_bytes // d + activation_bytes
+        other = window_bytes // d + (activation_bytes.get(name, 0) if isinstance(
+            activation_bytes, Mapping) else activation_bytes)
         out.append(JaxMemoryEstimate(strategy=name, params_bytes=params_bytes,
                                      optimizer_bytes=optimizer_bytes, grads_bytes=grads,
                                      working_bytes=working, other_bytes=other))
