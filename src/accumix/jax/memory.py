@@ -4,23 +4,34 @@ Counted from the params' own leaves and the optimizer's own state (``jax.eval_sh
 ``init``, so Adam, SGD, or a chain are sized as they are), placed as ``strategies.py`` places
 them (a leaf is sharded on its largest dimension the device count divides, else replicated),
 and checked against XLA's ``compiled.memory_analysis()`` (arguments + temporaries) of the step
-(``tests/unit/test_jax_memory.py``). Per device, with n a leaf's elements and s(n) its shard:
+(``tests/unit/test_jax_fsdp.py``, ``tests/unit/test_jax_memory.py``). Per device, with n a
+leaf's elements and s(n) its shard:
 
     term            single/ddp     zero1          fsdp                fsdp sync_each_microstep
     params          p*n            p*n            p*s(n)              p*s(n)
     optimizer       opt            opt/D          opt/D               opt/D
     accumulators    4*n            4*n            4*n                 4*s(n)
     reduced grads   4*n            4*n            0 (in place)        0 (the accumulators)
-    in flight       4*max(n) when mixed           4*max(n)            4*max(n)  (one leaf, float32)
+    in flight       4*max(n) when c < 4           4*max(n)            4*max(n)  (one leaf, float32)
     compute copy    c*n            c*n            c*s(n)              c*s(n)     (mixed only)
     gathered        0              0              g*n (sharded leaves) g*n
-    + the window's bytes on the device + activations (the caller's, or the compiled step's)
+    fp16 skip       0              opt/D          opt/D               4*s(n)     (fp16-mixed only)
+    carried         b*m            b*m            b*s(m) + b*m        b*s(m) + b*m
+    + the window's bytes on the device + activations (the caller's, or the compiled step's:
+      ``accumix.jax.compiled_memory``)
 
 p stored param bytes, c compute bytes, g the bytes XLA gathers in (the compute dtype; float32 on
-a CPU, whose float normalization gathers 16-bit arrays in float32). The gathered term is what
-the compiled step holds today: gathered at the use and re-gathered in the backward at the JAX
-level, but XLA's CSE on a CPU (which drops ``jax.checkpoint``'s optimization barriers) merges
-each re-gather with the forward's, so every gathered leaf stays alive through the micro-step.
+a CPU, whose float normalization gathers 16-bit arrays in float32); the optimizer state is
+sized on the stored dtype (bf16-true: bfloat16 moments). Only float leaves train
+(``accumix.jax.trainable``): a carried leaf (an integer counter, a PRNG key) of m elements of b
+bytes is held once, with no gradient and no optimizer state (fsdp: its shard at rest plus the
+plain gather of sharded ones). fp16 skip is measured: the loss scale's select between the old
+and the new sharded state holds the new optimizer state (zero1, fsdp) or a copy of the sharded
+accumulators (sync_each_microstep) until the global overflow check is known. The gathered
+term is what the compiled step holds today: gathered at the use and re-gathered in the
+backward at the JAX level, but XLA's CSE on a CPU (which drops ``jax.checkpoint``'s
+optimization barriers) merges each re-gather with the forward's, so every gathered leaf stays
+alive through the micro-step.
 """
 
 from __future__ import annotations
