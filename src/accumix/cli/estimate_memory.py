@@ -91,6 +91,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
     if (args.backend or config.backend) == "jax":
+        _host_devices(world)
         return _run_jax(args, config, world, precision)
     micro = config.micro_batch_size
     if micro == "auto" and args.params is None:
@@ -127,7 +128,10 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str) -> int:
-    """The JAX backend's table (``accumix.jax.memory``): per device of a ``devices`` mesh."""
+    """The JAX backend's table (``accumix.jax.memory``): per device of a ``devices`` mesh, each
+    device ``micro_batch_size`` rows (``accumix launch``: one device per process). The
+    recipe's activations are measured: its window step compiled for one device (never run,
+    nothing allocated), ``accumix.jax.compiled_memory``."""
     import optax
 
     from accumix.jax.memory import (
@@ -136,44 +140,88 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
         format_jax_table,
         pick_strategy,
     )
-    from accumix.recipes import gpt_jax
-    from accumix.recipes.default_jax import optimizer_and_schedule
+    from accumix.recipes import default_jax, gpt_jax
 
     shape = config.model
-    activations = 0
+    activations, window_bytes = 0, 0
     if args.params is not None:
         params: Any = _parse_count(args.params)
         optimizer = optax.adamw(1e-3) if args.optimizer_states == 2 else None
         label = f"{params:,} parameters in one leaf (activations not counted)"
-    elif 12 * shape.n_layer * shape.n_embd**2 > 200_000_000:
-        # Not allocated: sized as one leaf (every element shardable), Adam's two states.
-        params, optimizer = gpt_jax.num_parameters(shape), None
-        label = f"the recipe's GPT ({params:,} parameters, sized as one leaf)"
     else:
-        params = gpt_jax.init_params(shape)
-        optimizer, _ = optimizer_and_schedule(config, params, 1, 1)
-        label = f"the recipe's GPT ({gpt_jax.num_parameters(shape):,} parameters)"
-    if args.params is None and isinstance(config.micro_batch_size, int):
-        # The activation estimate of the torch table per device; the compiled step's own
-        # figure is memory_analysis() of acc.train_step(...).lower(state, window).compile().
-        # (micro_batch_size=auto: not counted, the JAX recipe has no probe here.)
-        activations = activation_bytes(seq=shape.block_size, micro_batch=config.micro_batch_size,
-                                       width=shape.n_embd, heads=shape.n_head,
-                                       layers=shape.n_layer, precision=precision)
+        params = gpt_jax.init_params(shape, shapes_only=True)
+        optimizer, _ = default_jax.optimizer_and_schedule(config, params, 1, 1)
+        label = f"the recipe's GPT ({gpt_jax.num_parameters(shape):,} parameters"
+        micro = config.micro_batch_size
+        if isinstance(micro, int):
+            activations, how = _jax_activations(config, params, optimizer, devices, precision)
+            steps = max(1, config.global_batch_size // (devices * micro))
+            # The window as the step holds it: K micro-batches of every device's rows.
+            window_bytes = devices * steps * 2 * micro * shape.block_size * 4
+            label += (f", micro batch {micro} x {shape.block_size} tokens per device, K={steps};"
+                      f" activations measured from XLA: memory_analysis() of {how})")
+        else:  # micro_batch_size=auto: the JAX recipe has no probe here
+            label += "; micro_batch_size=auto: activations not counted)"
     device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
                     else device_free_bytes())
-    import torch
+    import jax
 
-    platform = "gpu" if torch.cuda.is_available() else "cpu"
     estimates = estimate_jax_memory(params, optimizer, num_devices=devices, precision=precision,
-                                    platform=platform, optimizer_states=args.optimizer_states,
-                                    activation_bytes=activations)
+                                    platform=jax.devices()[0].platform,
+                                    optimizer_states=args.optimizer_states,
+                                    window_bytes=window_bytes, activation_bytes=activations)
     _, reason = pick_strategy(estimates, device_bytes=device_bytes)
     print(f"{label}, {precision}, JAX, {devices} devices, {device_bytes / 2**30:.1f} GiB per "
           "device")
     print(format_jax_table(estimates, device_bytes=device_bytes))
     print(f"auto: {reason}")
     return 0
+
+
+def _host_devices(count: int) -> None:
+    """Lets JAX's CPU backend show ``count`` host devices, so that each strategy's step can be
+    compiled on the world's mesh: only before JAX is loaded, and never over the user's own
+    setting (it changes nothing on a GPU or TPU)."""
+    import os
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _jax_activations(config: Any, params: Any, optimizer: Any, devices: int,
+                     precision: str) -> tuple[dict[str, int], str]:
+    """Each row's activations per device from the recipe's compiled window step (lowered and
+    compiled for shapes, never run): on ``devices`` devices where this process has them (a CPU
+    gets them as host devices, set before JAX loads), else on one device for every row."""
+    import jax
+
+    from accumix.jax.compiled_memory import measured_activation_bytes, strategy_for_row
+    from accumix.jax.memory import JAX_STRATEGIES
+    from accumix.recipes import default_jax
+
+    shape, micro = config.model, config.micro_batch_size
+    every = jax.devices()
+    own = len(every) >= devices
+    out = {}
+    for row in JAX_STRATEGIES:
+        per = devices if own and row != "single" else 1
+        steps = max(1, config.global_batch_size // (devices * micro))
+        if row == "single":  # one device takes every device's micro-batches
+            steps = max(1, config.global_batch_size // micro)
+        if not own and out:
+            out[row] = out["single"]
+            continue
+        strategy = strategy_for_row(row, every[:per])
+        out[row] = measured_activation_bytes(
+            default_jax.make_loss_fn(shape), params, optimizer,
+            default_jax.micro_batch_shapes(shape, micro), grad_accum_steps=steps,
+            precision=precision, clip_norm=config.grad_clip, strategy=strategy)
+    how = ("each strategy's compiled window step" if own else
+           f"the compiled one-device window step (this process has {len(every)} of the "
+           f"{devices} devices)")
+    return out, how
 
 
 def _probe_recipe(config: object) -> int:

@@ -4,35 +4,48 @@ Counted from the params' own leaves and the optimizer's own state (``jax.eval_sh
 ``init``, so Adam, SGD, or a chain are sized as they are), placed as ``strategies.py`` places
 them (a leaf is sharded on its largest dimension the device count divides, else replicated),
 and checked against XLA's ``compiled.memory_analysis()`` (arguments + temporaries) of the step
-(``tests/unit/test_jax_memory.py``). Per device, with n a leaf's elements and s(n) its shard:
+(``tests/unit/test_jax_fsdp.py``, ``tests/unit/test_jax_memory.py``). Per device, with n a
+leaf's elements and s(n) its shard:
 
     term            single/ddp     zero1          fsdp                fsdp sync_each_microstep
     params          p*n            p*n            p*s(n)              p*s(n)
     optimizer       opt            opt/D          opt/D               opt/D
     accumulators    4*n            4*n            4*n                 4*s(n)
     reduced grads   4*n            4*n            0 (in place)        0 (the accumulators)
-    in flight       4*max(n) when mixed           4*max(n)            4*max(n)  (one leaf, float32)
+    in flight       4*max(n) when c < 4           4*max(n)            4*max(n)  (one leaf, float32)
     compute copy    c*n            c*n            c*s(n)              c*s(n)     (mixed only)
     gathered        0              0              (g+c')*max(n)        (g+c')*max(n)
-    + the window's bytes on the device + activations (the caller's, or the compiled step's)
+    fp16 skip       0              opt/D          opt/D               4*s(n)     (fp16-mixed only)
+    carried         b*m            b*m            b*s(m) + b*m        b*s(m) + b*m
+    + the window's bytes on the device + activations (the caller's, or the compiled step's:
+      ``accumix.jax.compiled_memory``)
 
 p stored param bytes, c compute bytes, g the bytes XLA gathers in (the compute dtype; float32 on
 a CPU, whose float normalization gathers 16-bit arrays in float32), c' = c where g != c (the
-cast copy), else 0. The gathered term is what the compiled step holds: ``accumix.jax.per_use``
-gathers each leaf at each use and re-gathers it in that use's backward, so one leaf's gathered
-copy (the largest sharded leaf) is alive at a time.
+cast copy), else 0; the optimizer state is sized on the stored dtype (bf16-true: bfloat16
+moments). The gathered term is what the compiled step holds: ``accumix.jax.per_use`` gathers
+each leaf at each use and re-gathers it in that use's backward, so one leaf's gathered copy (the
+largest sharded leaf) is alive at a time. Only float leaves train (``accumix.jax.trainable``): a
+carried leaf (an integer counter, a PRNG key) of m elements of b bytes is held once, with no
+gradient and no optimizer state (fsdp: its shard at rest plus the plain gather of sharded ones).
+fp16 skip is measured: the loss scale's select between the old and the new sharded state holds
+the new optimizer state (zero1, fsdp) or a copy of the sharded accumulators
+(sync_each_microstep) until the global overflow check is known.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from accumix.errors import ConfigError
+from accumix.jax import trainable
 from accumix.jax.strategies import (
     DDPStrategy,
     FSDPStrategy,
@@ -45,6 +58,7 @@ from accumix.jax.strategies import (
 log = logging.getLogger("accumix")
 
 JAX_STRATEGIES = ("single", "ddp", "zero1", "fsdp", "fsdp-sync")
+_SHARDED_UPDATE = ("zero1", "fsdp", "fsdp-sync")
 _DTYPE_BYTES = {"fp32": (4, 4), "bf16-mixed": (4, 2), "fp16-mixed": (4, 2), "bf16-true": (2, 2)}
 
 
@@ -78,7 +92,8 @@ class JaxMemoryEstimate:
 def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
                         precision: str = "fp32", platform: str = "cpu",
                         optimizer_states: int = 2, window_bytes: int = 0,
-                        activation_bytes: int = 0) -> list[JaxMemoryEstimate]:
+                        activation_bytes: int | Mapping[str, int] = 0
+                        ) -> list[JaxMemoryEstimate]:
     """The per-device bytes of every JAX strategy (order of ``JAX_STRATEGIES``).
 
     Args:
@@ -91,7 +106,9 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         platform: the devices' platform; on ``"cpu"`` XLA gathers 16-bit params in float32.
         optimizer_states: states per parameter when ``optimizer`` is None.
         window_bytes: one window's bytes over all devices (split over D, whole on ``single``).
-        activation_bytes: activations per device (e.g. from a compiled step), added to each.
+        activation_bytes: activations per device (e.g. from a compiled step,
+            ``accumix.jax.compiled_memory``) added to each row, or a mapping of a row's name
+            to its own (rows it lacks: 0).
 
     Raises:
         ConfigError: an unknown precision, or ``num_devices < 1``.
@@ -102,15 +119,20 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         raise ConfigError(f"num_devices={num_devices!r} is invalid; use an integer >= 1")
     p, c = _DTYPE_BYTES[precision]
     g = 4 if platform == "cpu" else c
-    structs = _param_structs(params)
+    # Only float leaves train (accumix.jax.trainable): carried leaves (integer counters, PRNG
+    # keys) are stored once in their own dtype, with no gradient and no optimizer state.
+    structs = _param_structs(params, np.float32 if p == 4 else jnp.bfloat16)
+    carried = _carried_leaves(params)
     leaves = [tuple(x.shape) for x in jax.tree.leaves(structs)]
     if optimizer is not None:
+        # Sized on the stored dtype, as the step builds it (bf16-true: bfloat16 Adam moments).
         opt_leaves = [(tuple(x.shape), np.dtype(x.dtype).itemsize)
                       for x in jax.tree.leaves(jax.eval_shape(optimizer.init, structs))]
     else:
-        opt_leaves = [(s, 4) for s in leaves for _ in range(optimizer_states)]
+        opt_leaves = [(s, p) for s in leaves for _ in range(optimizer_states)]
     # A bare count has no leaves to size the one in flight by: left out.
-    largest = 0 if isinstance(params, (int, np.integer)) else max(_size(s) for s in leaves)
+    bare = isinstance(params, (int, np.integer))
+    largest = 0 if bare or not leaves else max(_size(s) for s in leaves)
     out = []
     for name in JAX_STRATEGIES:
         d = 1 if name == "single" else num_devices
@@ -122,21 +144,34 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         opt_shard = sum(_shard(s, d) * b for s, b in opt_leaves)
         fsdp = name.startswith("fsdp")
         mixed = c != p
-        params_bytes = p * (shard if fsdp else full)
+        # Carried leaves rest where the strategy places them; fsdp gathers the sharded ones
+        # plainly for the window (a full copy, no gradient).
+        carried_rest = sum((_shard(s, d) if fsdp else _size(s)) * b for s, b in carried)
+        carried_gathered = sum(_size(s) * b for s, b in carried
+                               if fsdp and shard_dim(s, d) is not None)
+        params_bytes = p * (shard if fsdp else full) + carried_rest
         optimizer_bytes = opt_full if name in ("single", "ddp") else opt_shard
-        # One leaf's float32 gradient in flight (cast from the compute dtype, or on its way
-        # to a reduce-scatter) before it joins its accumulator.
-        in_flight = 4 * largest if (fsdp or mixed) else 0
+        # One leaf's float32 gradient in flight (cast from a 16-bit compute dtype, bf16-true's
+        # too, or on its way to a reduce-scatter) before it joins its accumulator.
+        in_flight = 4 * largest if (fsdp or c != 4) else 0
         if name == "fsdp-sync":
             grads = 4 * shard + in_flight
         elif fsdp:  # the window's reduce-scatter writes over the accumulators
             grads = 4 * full + in_flight
         else:
             grads = 4 * full + 4 * full + in_flight
+        if precision == "fp16-mixed" and name in _SHARDED_UPDATE:
+            # Measured (Adam, 2 and 4 devices): the loss scale's skip selects between the old
+            # and the new sharded state once the global overflow check is known; XLA holds the
+            # new optimizer state beside the old (a copy of the sharded accumulators with
+            # sync_each_microstep). ddp's update fuses with the select (within 5% without).
+            grads += 4 * shard if name == "fsdp-sync" else opt_shard
         # On a CPU a 16-bit leaf is gathered in float32 (g), then cast: both copies at its use.
         gathered = (g + (c if g != c else 0)) * gathered
         working = (c * (shard if fsdp else full) if mixed else 0) + (gathered if fsdp else 0)
-        other = window_bytes // d + activation_bytes
+        working += carried_gathered
+        other = window_bytes // d + (activation_bytes.get(name, 0) if isinstance(
+            activation_bytes, Mapping) else activation_bytes)
         out.append(JaxMemoryEstimate(strategy=name, params_bytes=params_bytes,
                                      optimizer_bytes=optimizer_bytes, grads_bytes=grads,
                                      working_bytes=working, other_bytes=other))
@@ -181,17 +216,19 @@ def pick_strategy(estimates: list[JaxMemoryEstimate], *, device_bytes: int,
 
 def format_jax_table(estimates: list[JaxMemoryEstimate], *, device_bytes: int | None = None,
                      headroom: float = 0.8) -> str:
-    """The estimates as an aligned table in GiB (2 decimals), with ``fits`` when a device size
-    is given."""
-    header = ("strategy", "params GiB", "optimizer GiB", "grads GiB", "gathered+copy GiB",
-              "window+act GiB", "total GiB", "fits")
+    """The estimates as an aligned table (2 decimals) in GiB, or in MiB when every total is
+    under 1 GiB, with ``fits`` when a device size is given."""
+    unit, scale = ("GiB", 2**30) if max(e.total_bytes for e in estimates) >= 2**30 else (
+        "MiB", 2**20)
+    header = ("strategy", *(f"{name} {unit}" for name in (
+        "params", "optimizer", "grads", "gathered+copy", "window+act", "total")), "fits")
     rows = [header]
     for e in estimates:
         sizes = (e.params_bytes, e.optimizer_bytes, e.grads_bytes, e.working_bytes,
                  e.other_bytes, e.total_bytes)
         fits = "-" if device_bytes is None else (
             "yes" if e.total_bytes <= headroom * device_bytes else "no")
-        rows.append((e.strategy, *(f"{b / 2**30:.2f}" for b in sizes), fits))
+        rows.append((e.strategy, *(f"{b / scale:.2f}" for b in sizes), fits))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
                                                            zip(r[1:], widths[1:], strict=True)])
@@ -221,11 +258,31 @@ def device_free_bytes() -> int:
     return _host_available_bytes() // max(len(jax.local_devices()), 1)
 
 
-def _param_structs(params: Any) -> Any:
-    # float32 stand-ins: the optimizer's state is sized as it is for float32 master params.
+def _param_structs(params: Any, dtype: Any) -> Any:
+    """The trainable leaves as ``dtype`` stand-ins (the stored dtype: the optimizer's state is
+    sized as the step builds it), None at the carried ones (as ``trainable.select`` gives the
+    optimizer)."""
     if isinstance(params, (int, np.integer)) and not isinstance(params, bool):
-        return [jax.ShapeDtypeStruct((int(params),), np.float32)]
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), np.float32), params)
+        return [jax.ShapeDtypeStruct((int(params),), dtype)]
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), dtype)
+                        if trainable.is_trainable(x) else None, params)
+
+
+def _carried_leaves(params: Any) -> list[tuple[tuple[int, ...], int]]:
+    """``(shape, bytes per element)`` of each carried leaf (integers, booleans, PRNG keys)."""
+    if isinstance(params, (int, np.integer)):
+        return []
+    out = []
+    for x in jax.tree.leaves(params):
+        if trainable.is_trainable(x):
+            continue
+        dtype = x.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # its key data: uint32 words
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, dtype))
+            out.append((tuple(x.shape), _size(data.shape[len(x.shape):]) * data.dtype.itemsize))
+        else:
+            out.append((tuple(x.shape), np.dtype(dtype).itemsize))
+    return out
 
 
 def _size(shape: tuple[int, ...]) -> int:

@@ -78,6 +78,22 @@ def optimizer_and_schedule(config: TrainConfig, params: Any, total_steps: int,
     return tx, (lambda step: float(table[min(step, total_steps)]))
 
 
+def make_loss_fn(model: GPTConfig) -> Any:
+    """The recipe's ``loss_fn(params, batch, rng)``: summed token loss and the token count."""
+    def loss_fn(p: Any, batch: Any, rng: Any) -> Any:
+        return gpt_jax.loss_sum(p, batch, model, rng if model.dropout else None)
+    return loss_fn
+
+
+def micro_batch_shapes(model: GPTConfig, rows: int) -> dict[str, Any]:
+    """One device's micro-batch as the loader gives it (``padded_collate``: ``block_size``
+    positions, int32 once in JAX), as shapes."""
+    import jax
+
+    spec = jax.ShapeDtypeStruct((rows, model.block_size), np.int32)
+    return {"input_ids": spec, "labels": spec}
+
+
 def initial_params(config: TrainConfig) -> dict[str, Any]:
     """The torch recipe's initial weights, or ``init_from``'s (either backend's
     ``model.safetensors``).
@@ -122,10 +138,7 @@ def run(config: TrainConfig) -> int:
     tx, lr_at = optimizer_and_schedule(config, params, total, config.global_batch_size)
     state, windows = acc.setup(params, tx, loader)
     model_cfg = config.model
-
-    def loss_fn(p: Any, batch: Any, rng: Any) -> Any:
-        return gpt_jax.loss_sum(p, batch, model_cfg, rng if model_cfg.dropout else None)
-
+    loss_fn = make_loss_fn(model_cfg)
     steps = JaxSteps(accelerator=acc, state=state, train_windows=windows, loss_fn=loss_fn,
                      val_loader=DataLoader(val, batch_size=config.micro_batch_size,
                                            collate_fn=collate),

@@ -22,24 +22,33 @@ from accumix.recipes.gpt import IGNORE_INDEX, GPTConfig
 Params = dict[str, Any]
 
 
-def init_params(config: GPTConfig, seed: int = 0) -> Params:
-    """GPT-2's init (normal 0.02, residual projections 0.02 / sqrt(2 n_layer)), as numpy."""
+def init_params(config: GPTConfig, seed: int = 0, *, shapes_only: bool = False) -> Params:
+    """GPT-2's init (normal 0.02, residual projections 0.02 / sqrt(2 n_layer)), as numpy;
+    ``shapes_only``: the same tree of ``jax.ShapeDtypeStruct`` (nothing drawn or allocated,
+    for sizing a model too big to build)."""
     rng = np.random.default_rng(seed)
     c, bias = config.n_embd, config.bias
 
-    def normal(*shape: int, std: float = 0.02) -> np.ndarray:
+    def filled(shape: tuple[int, ...], value: float) -> Any:
+        if shapes_only:
+            return jax.ShapeDtypeStruct(shape, np.float32)
+        return np.full(shape, value, np.float32)
+
+    def normal(*shape: int, std: float = 0.02) -> Any:
+        if shapes_only:
+            return jax.ShapeDtypeStruct(shape, np.float32)
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    def linear(out: int, inp: int, std: float = 0.02) -> dict[str, np.ndarray]:
+    def linear(out: int, inp: int, std: float = 0.02) -> dict[str, Any]:
         layer = {"weight": normal(out, inp, std=std)}
         if bias:
-            layer["bias"] = np.zeros(out, np.float32)
+            layer["bias"] = filled((out,), 0.0)
         return layer
 
-    def norm() -> dict[str, np.ndarray]:
-        layer = {"weight": np.ones(c, np.float32)}
+    def norm() -> dict[str, Any]:
+        layer = {"weight": filled((c,), 1.0)}
         if bias:
-            layer["bias"] = np.zeros(c, np.float32)
+            layer["bias"] = filled((c,), 0.0)
         return layer
 
     residual = 0.02 / math.sqrt(2 * config.n_layer)
