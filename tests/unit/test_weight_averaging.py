@@ -122,3 +122,29 @@ def test_bad_settings_and_strategies_are_refused() -> None:
 
     with pytest.raises(ConfigError, match="strategy='my_strategy'.*zero1, fsdp, deepspeed"):
         WeightAveraging().on_fit_start(Fake())  # type: ignore[arg-type]
+
+
+def test_the_average_of_bfloat16_weights_is_float32_and_moves() -> None:
+    """A bfloat16 average with decay 0.999 would stay the initial weights (each update is below
+    half a bfloat16 step): the average is kept in float32, as the hand-computed one."""
+    data = w.regression_data(32)
+
+    def bf16_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+
+    ema = WeightAveraging(decay=0.999)
+    snaps = Snapshots(ema)
+    model = w.make_model().to(torch.bfloat16)
+    Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_loader=DataLoader(data, batch_size=4), accelerator=ax.Accelerator(
+                precision="fp32"), step_fn=bf16_loss, max_steps=3, grad_clip=None,
+            progress_bar=False, callbacks=[ema, snaps]).fit()
+    initial = [p.float() for p in w.make_model().to(torch.bfloat16).parameters()]
+    assert [a.dtype for a in ema.average] == [torch.float32] * len(initial)
+    # Every step moved it (a bfloat16 average stayed the initial weights: 4 of 4 equal).
+    for before, after in zip([initial, *snaps.seen[:-1]], snaps.seen, strict=True):
+        assert not any(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # The last update, by hand in float32, from the step-2 average and the final weights.
+    for avg, prev, p in zip(ema.average, snaps.seen[1], model.parameters(), strict=True):
+        assert torch.equal(avg, prev.mul(0.999).add(p.detach().float(), alpha=1 - 0.999))

@@ -42,9 +42,10 @@ class WeightAveraging(Callback):
     The average starts as the weights at ``fit`` start and is updated in place with
     ``ema.mul_(decay).add_(w, alpha=1 - decay)``. A step skipped by the fp16 loss scaler does not
     update it (``acc.optimizer_steps`` did not move). Only floating-point parameters are
-    averaged; buffers (BatchNorm statistics) are the live model's, as in ``ModelEmaV3``. Under
-    DeepSpeed the weights averaged are the module's (in its working precision), not the
-    optimizer's fp32 masters.
+    averaged; buffers (BatchNorm statistics) are the live model's, as in ``ModelEmaV3``. The
+    average is float32 for half-precision parameters (float64 stays float64). Under DeepSpeed
+    the weights averaged are the module's (bf16 ones under bf16-mixed), not the optimizer's
+    fp32 masters.
 
     Args:
         decay: the weight of the old average, in [0, 1).
@@ -97,7 +98,10 @@ class WeightAveraging(Callback):
 
     @torch.no_grad()
     def _restart(self, steps: int) -> None:
-        self.average = [self._holder.local(p).detach().clone() for p in self._params]
+        # float32 at least: a bfloat16 average with decay 0.999 would never move (the update
+        # is below half a bfloat16 step), e.g. DeepSpeed's bf16 modules.
+        self.average = [self._holder.local(p).detach().to(
+            torch.promote_types(p.dtype, torch.float32), copy=True) for p in self._params]
         self.updates = 0
         self._seen_steps = steps
 
