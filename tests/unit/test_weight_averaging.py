@@ -4,6 +4,8 @@ PyTorch run, evaluation with the average, an fp16-skipped step, the refusals."""
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import accumix as ax
-from accumix.errors import ConfigError
+from accumix.errors import CheckpointError, ConfigError
 from accumix.trainer import Callback, StepMetrics, Trainer, WeightAveraging
 from tests import workloads as w
 
@@ -148,3 +150,27 @@ def test_the_average_of_bfloat16_weights_is_float32_and_moves() -> None:
     # The last update, by hand in float32, from the step-2 average and the final weights.
     for avg, prev, p in zip(ema.average, snaps.seen[1], model.parameters(), strict=True):
         assert torch.equal(avg, prev.mul(0.999).add(p.detach().float(), alpha=1 - 0.999))
+
+
+def test_per_rank_files_of_earlier_checkpoints_still_load(tmp_path: Path) -> None:
+    """A checkpoint written before ``step-N/ema/`` (``ema-rank-<r>.pt``) resumes bitwise; one
+    with neither is refused in one line."""
+    def fit(max_steps: int) -> WeightAveraging:
+        ema = WeightAveraging(decay=DECAY)
+        model = w.make_model()
+        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                train_loader=DataLoader(w.regression_data(32), batch_size=4),
+                accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
+                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=tmp_path,
+                checkpoint_every=3, callbacks=[ema]).fit()
+        return ema
+
+    saved = [a.clone() for a in fit(3).average]
+    step = tmp_path / "step-3"
+    assert sorted(f.name for f in (step / "ema").iterdir())[:1] == [".metadata"]
+    shutil.rmtree(step / "ema")
+    torch.save(saved, step / "ema-rank-0.pt")  # as the earlier accumix wrote it
+    assert all(torch.equal(a, b) for a, b in zip(fit(3).average, saved, strict=True))
+    (step / "ema-rank-0.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"step-3/ema is missing"):
+        fit(3)
