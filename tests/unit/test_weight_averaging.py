@@ -154,15 +154,18 @@ def test_the_average_of_bfloat16_weights_is_float32_and_moves() -> None:
 
 def test_per_rank_files_of_earlier_checkpoints_still_load(tmp_path: Path) -> None:
     """A checkpoint written before ``step-N/ema/`` (``ema-rank-<r>.pt``) resumes bitwise; one
-    with neither is refused in one line."""
-    def fit(max_steps: int) -> WeightAveraging:
+    with neither is refused in one line; a run saved without the callback resumes a newly
+    added one from the loaded weights."""
+    def fit(max_steps: int, run_dir: Path = tmp_path, with_ema: bool = True
+            ) -> WeightAveraging:
         ema = WeightAveraging(decay=DECAY)
         model = w.make_model()
         Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                 train_loader=DataLoader(w.regression_data(32), batch_size=4),
                 accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
-                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=tmp_path,
-                checkpoint_every=3, callbacks=[ema]).fit()
+                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
+                checkpoint_every=3, callbacks=[ema] if with_ema else []).fit()
+        ema.weights = [p.detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
         return ema
 
     saved = [a.clone() for a in fit(3).average]
@@ -174,3 +177,7 @@ def test_per_rank_files_of_earlier_checkpoints_still_load(tmp_path: Path) -> Non
     (step / "ema-rank-0.pt").unlink()
     with pytest.raises(CheckpointError, match=r"step-3/ema is missing"):
         fit(3)
+    fit(3, tmp_path / "plain", with_ema=False)
+    added = fit(3, tmp_path / "plain")
+    assert added.updates == 0
+    assert all(torch.equal(a, p) for a, p in zip(added.average, added.weights, strict=True))
