@@ -3,6 +3,7 @@ PyTorch run, evaluation with the average, an fp16-skipped step, the refusals."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -171,8 +172,11 @@ def test_per_rank_files_of_earlier_checkpoints_still_load(tmp_path: Path) -> Non
     saved = [a.clone() for a in fit(3).average]
     step = tmp_path / "step-3"
     assert sorted(f.name for f in (step / "ema").iterdir())[:1] == [".metadata"]
-    shutil.rmtree(step / "ema")
-    torch.save(saved, step / "ema-rank-0.pt")  # as the earlier accumix wrote it
+    shutil.rmtree(step / "ema")  # as the earlier accumix wrote it: not in the manifest
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"] = {k: v for k, v in meta["files"].items() if not k.startswith("ema/")}
+    (step / "meta.json").write_text(json.dumps(meta))
+    torch.save(saved, step / "ema-rank-0.pt")
     assert all(torch.equal(a, b) for a, b in zip(fit(3).average, saved, strict=True))
     (step / "ema-rank-0.pt").unlink()
     with pytest.raises(CheckpointError, match=r"step-3/ema is missing"):
@@ -181,3 +185,42 @@ def test_per_rank_files_of_earlier_checkpoints_still_load(tmp_path: Path) -> Non
     added = fit(3, tmp_path / "plain")
     assert added.updates == 0
     assert all(torch.equal(a, p) for a, p in zip(added.average, added.weights, strict=True))
+
+
+def test_a_crash_while_the_average_is_written_leaves_the_previous_checkpoint_resumable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The average is part of the step directory before ``latest`` names it: a crash while it
+    is written (here at step 6, ``keep_checkpoints=1``) leaves step 3 as ``latest``, complete,
+    and the resumed run ends with the uninterrupted run's average bitwise. (It used to be
+    written after ``latest`` moved and step 3 was pruned: no checkpoint could be resumed.)"""
+    from accumix import dcp_state
+
+    def fit(max_steps: int, run_dir: Path | None) -> WeightAveraging:
+        ema = WeightAveraging(decay=DECAY)
+        model = w.make_model()
+        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                train_loader=DataLoader(w.regression_data(64), batch_size=4),
+                accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
+                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
+                checkpoint_every=3 if run_dir else None, keep_checkpoints=1,
+                callbacks=[ema]).fit()
+        return ema
+
+    want = fit(9, None).average
+    write, calls = dcp_state.write, []
+
+    def crash_on_the_second_average(state: dict[str, Any], directory: str) -> None:
+        if "ema" in Path(directory).name:
+            calls.append(directory)
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # the process dies while writing step 6's average
+        write(state, directory)
+
+    monkeypatch.setattr(dcp_state, "write", crash_on_the_second_average)
+    with pytest.raises(KeyboardInterrupt):
+        fit(9, tmp_path)
+    monkeypatch.setattr(dcp_state, "write", write)
+    assert (tmp_path / "latest").read_text().strip() == "step-3"
+    got = fit(9, tmp_path)
+    assert got.updates == 9
+    assert all(torch.equal(a, b) for a, b in zip(got.average, want, strict=True))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,22 +201,14 @@ class WeightAveraging(Callback):
         self._state_loaded = True
 
     @override
-    def on_save_checkpoint(self, trainer: Trainer, path: Path) -> None:
+    def on_write_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+        # Into the step directory before it is published: ``latest`` never names a checkpoint
+        # without its average, and its manifest lists (and a load checks) the average's files.
         from accumix import dcp_state
 
-        acc = trainer.accelerator
-        final, tmp = Path(path) / EMA_DIR, Path(path) / f".{EMA_DIR}.tmp"
-        if acc.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        acc.barrier()
         state = {PREFIX + n: self._holder.saved(a, p)
                  for n, a, p in zip(self.names, self.average, self._params, strict=True)}
-        dcp_state.write(state, str(tmp))
-        acc.barrier()
-        if acc.rank == 0:  # the whole average appears under its name at once
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-        acc.barrier()
+        dcp_state.write(state, str(Path(directory) / EMA_DIR))
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, path: Path) -> None:
