@@ -35,13 +35,14 @@ _SUPPORTED = ("single", "ddp", "zero1", "fsdp", "deepspeed")
 
 class WeightAveraging(Callback):
     """Keeps ``ema = decay * ema + (1 - decay) * weights`` after every ``every_n_steps``-th real
-    optimizer step (the name of Lightning's callback; timm's ``ModelEmaV3`` with its default
-    ``include_buffers=False``).
+    optimizer step (the name of Lightning's callback; the update of timm's ``ModelEmaV3``).
 
     The average starts as the weights at ``fit`` start and is updated in place with
     ``ema.mul_(decay).add_(w, alpha=1 - decay)``. A step skipped by the fp16 loss scaler does not
     update it (``acc.optimizer_steps`` did not move). Only floating-point parameters are
-    averaged; buffers (BatchNorm statistics) are the live model's, as in ``ModelEmaV3``. The
+    averaged; buffers (BatchNorm statistics) are the live model's, as with timm's
+    ``ModelEmaV3(exclude_buffers=True)`` and Lightning's ``WeightAveraging(use_buffers=False)``
+    (their defaults average floating buffers too). The
     average is float32 for half-precision parameters (float64 stays float64). Under DeepSpeed
     the weights averaged are the module's (bf16 ones under bf16-mixed), not the optimizer's
     fp32 masters.
