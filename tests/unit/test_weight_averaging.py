@@ -224,3 +224,33 @@ def test_a_crash_while_the_average_is_written_leaves_the_previous_checkpoint_res
     got = fit(9, tmp_path)
     assert got.updates == 9
     assert all(torch.equal(a, b) for a, b in zip(got.average, want, strict=True))
+
+
+def test_a_save_while_the_average_is_swapped_in_is_refused(tmp_path: Path) -> None:
+    """A callback listed before WeightAveraging that saves at ``on_validation_end`` saves while
+    the average is still in the model: the checkpoint would resume from the averaged weights
+    (0.067 off the uninterrupted run's weights after 6 steps). It is refused, nothing is
+    published; listed after WeightAveraging, it saves the training weights."""
+    class SaveOnValidation(Callback):
+        def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+            trainer.save_checkpoint()
+
+    def fit(max_steps: int, run_dir: Path | None, *, saver_first: bool = False
+            ) -> list[torch.Tensor]:
+        ema = WeightAveraging(decay=DECAY, eval_with_average=True)
+        saver = [SaveOnValidation()] if run_dir is not None else []
+        model = w.make_model()
+        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                train_loader=DataLoader(w.regression_data(64), batch_size=4),
+                accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
+                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
+                val_loader=DataLoader(w.regression_data(16), batch_size=8), eval_every=3,
+                callbacks=[*saver, ema] if saver_first else [ema, *saver]).fit()
+        return [p.detach().clone() for p in model.parameters()]
+
+    with pytest.raises(CheckpointError, match="swapped in for evaluation"):
+        fit(3, tmp_path, saver_first=True)
+    assert not (tmp_path / "latest").exists()
+    want = fit(6, None)
+    fit(3, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(fit(6, tmp_path), want, strict=True))

@@ -207,6 +207,12 @@ class WeightAveraging(Callback):
         # without its average, and its manifest lists (and a load checks) the average's files.
         from accumix import dcp_state
 
+        if self._backup is not None:  # the model files just written hold the average
+            raise ConfigError(
+                "a checkpoint was saved while WeightAveraging(eval_with_average=True) had the "
+                "average swapped in for evaluation (by a callback before it in `callbacks`, "
+                "at on_validation_end?): it would resume from the averaged weights; list "
+                "WeightAveraging before that callback")
         state = {PREFIX + n: self._holder.saved(a, p)
                  for n, a, p in zip(self.names, self.average, self._params, strict=True)}
         dcp_state.write(state, str(Path(directory) / EMA_DIR))
