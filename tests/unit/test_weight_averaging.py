@@ -254,3 +254,25 @@ def test_a_save_while_the_average_is_swapped_in_is_refused(tmp_path: Path) -> No
     want = fit(6, None)
     fit(3, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(fit(6, tmp_path), want, strict=True))
+
+
+def test_two_averages_are_saved_and_resumed_each_its_own(tmp_path: Path) -> None:
+    """Two WeightAveraging callbacks (decays 0.9 and 0.5) each save their average
+    (``step-N/ema``, ``step-N/ema-1``): the resumed run ends with the uninterrupted run's two
+    averages bitwise (both used to be written to ``step-N/ema``: each resumed the other's)."""
+    def fit(max_steps: int, run_dir: Path | None) -> list[list[torch.Tensor]]:
+        emas = [WeightAveraging(decay=DECAY), WeightAveraging(decay=0.5)]
+        model = w.make_model()
+        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                train_loader=DataLoader(w.regression_data(64), batch_size=4),
+                accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
+                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
+                checkpoint_every=3 if run_dir else None, callbacks=emas).fit()
+        return [ema.average for ema in emas]
+
+    want = fit(6, None)
+    fit(3, tmp_path)
+    got = fit(6, tmp_path)
+    for averages, expected in zip(got, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(averages, expected, strict=True))
+    assert sorted(p.name for p in (tmp_path / "step-6").glob("ema*")) == ["ema", "ema-1"]

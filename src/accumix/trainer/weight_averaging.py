@@ -4,7 +4,8 @@ The average is held like the model (``accumix.trainer.average_shards``): under `
 ``ddp``, ``zero1`` and DeepSpeed ZeRO 1/2 each rank keeps a full copy of its parameters; under
 ``fsdp`` each rank keeps only its DTensor shards; under DeepSpeed ZeRO-3 only its flat partitions
 (nothing is gathered to update or evaluate). It is saved in the step directory as the model is,
-with ``torch.distributed.checkpoint`` (``step-N/ema/``), so it resumes bitwise, on another world
+with ``torch.distributed.checkpoint`` (``step-N/ema/``; a second callback's in ``ema-1/``), before
+the step directory is published, so it resumes bitwise, on another world
 size or strategy too, and ``save_model`` exports the averaged model as ``acc.save_model`` does.
 """
 
@@ -76,6 +77,7 @@ class WeightAveraging(Callback):
         self._seen_steps = 0
         self._backup: list[torch.Tensor] | None = None
         self._state_loaded = False
+        self._dir = EMA_DIR
 
     # -- the average ---------------------------------------------------------------------------
     @override
@@ -95,6 +97,9 @@ class WeightAveraging(Callback):
         self._params = [p for _, p in named]
         self._restart(acc.optimizer_steps)
         self._state_loaded = False  # load_state_dict sets it when the run resumes
+        # One directory per WeightAveraging callback, by its order (two decays are common).
+        index = [c for c in trainer.callbacks if isinstance(c, WeightAveraging)].index(self)
+        self._dir = EMA_DIR if index == 0 else f"{EMA_DIR}-{index}"
 
     @torch.no_grad()
     def _restart(self, steps: int) -> None:
@@ -215,14 +220,14 @@ class WeightAveraging(Callback):
                 "WeightAveraging before that callback")
         state = {PREFIX + n: self._holder.saved(a, p)
                  for n, a, p in zip(self.names, self.average, self._params, strict=True)}
-        dcp_state.write(state, str(Path(directory) / EMA_DIR))
+        dcp_state.write(state, str(Path(directory) / self._dir))
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, path: Path) -> None:
         acc = trainer.accelerator
         step_dir = layout.resolve(path)
-        if (step_dir / EMA_DIR).is_dir():
-            self._load_dcp(step_dir / EMA_DIR)
+        if (step_dir / self._dir).is_dir():
+            self._load_dcp(step_dir / self._dir)
         elif any(step_dir.glob("ema-rank-*.pt")):
             self._load_per_rank(step_dir / f"ema-rank-{acc.rank}.pt")
         elif not self._state_loaded:  # the callback was added to a run saved without it
@@ -231,7 +236,7 @@ class WeightAveraging(Callback):
             self._restart(acc.optimizer_steps)
             return
         else:
-            raise CheckpointError(f"{step_dir}/{EMA_DIR} is missing (the save was interrupted?); "
+            raise CheckpointError(f"{step_dir}/{self._dir} is missing (the save was interrupted?); "
                                   "resume from another checkpoint or drop WeightAveraging")
         self._seen_steps = acc.optimizer_steps
 
