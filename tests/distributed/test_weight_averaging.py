@@ -2,11 +2,12 @@
 spawned job.
 
 The average after each step equals the single-process hand-computed EMA; evaluation with the
-average gives the reference's loss and leaves the training weights as they were (the resumed
-run, which does not evaluate, ends with the same weights bitwise); ``save_model`` exports the
-averaged model; a run saved at step 3 (``step-3/ema/``, torch.distributed.checkpoint) and
-resumed by a new Trainer to step 6 ends with the uninterrupted run's average bitwise on 2 ranks;
-one process loads it bitwise (resharded) and trains on to the same average within 1e-7."""
+average (at step 3, training on, and at the end) gives the reference's loss and leaves the training
+weights as they were (the resumed run, which does not evaluate, ends with the same weights bitwise;
+ZeRO-3 with persistent and per-forward gathered parameters); ``save_model`` exports the averaged
+model; a run saved at step 3 (``step-3/ema/``, torch.distributed.checkpoint) and resumed by a new
+Trainer to step 6 ends with the uninterrupted run's average bitwise on 2 ranks; one process loads
+it bitwise (resharded) and trains on to the same average within 1e-7."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ if importlib.util.find_spec("deepspeed") is not None:  # find_spec: no import in
 
 
 def _strategy(name: str) -> Any:
+    if name == "deepspeed3":  # persistent (<= 20 elements) and gathered-per-forward params both
+        return ax.DeepSpeedStrategy(stage=3, config={
+            "zero_optimization": {"stage3_param_persistence_threshold": 20}})
     return ax.DeepSpeedStrategy(stage=int(name[-1])) if name.startswith("deepspeed") else name
 
 
@@ -54,8 +58,8 @@ def _full(ema: WeightAveraging) -> list[np.ndarray]:
 
 def _run(strategy: str, max_steps: int, run_dir: str | None, export: str | None = None
          ) -> tuple[Any, ...]:
-    # The uninterrupted run (no run_dir) also evaluates with the average at its end. A global
-    # batch of 8 is 2 ranks x 4, or one process accumulating 2 x 4.
+    # The uninterrupted run (no run_dir) also evaluates with the average at step 3 (and trains
+    # on) and at its end. A global batch of 8 is 2 ranks x 4, or one process accumulating 2 x 4.
     ema = WeightAveraging(decay=DECAY, eval_with_average=run_dir is None)
     gathered = Gathered(ema)
     model = w.make_model()
@@ -66,6 +70,7 @@ def _run(strategy: str, max_steps: int, run_dir: str | None, export: str | None 
                       step_fn=w.mean_loss, max_steps=max_steps, grad_clip=None,
                       progress_bar=False, run_dir=run_dir, val_loader=None if run_dir else
                       DataLoader(w.regression_data(64), batch_size=16),
+                      eval_every=None if run_dir else SAVE_AT,
                       checkpoint_every=SAVE_AT if run_dir else None, callbacks=[ema, gathered])
     trainer.fit()
     if export:
