@@ -4,9 +4,9 @@ The average is held like the model (``accumix.trainer.average_shards``): under `
 ``ddp``, ``zero1`` and DeepSpeed ZeRO 1/2 each rank keeps a full copy of its parameters; under
 ``fsdp`` each rank keeps only its DTensor shards; under DeepSpeed ZeRO-3 only its flat partitions
 (nothing is gathered to update or evaluate). It is saved in the step directory as the model is,
-with ``torch.distributed.checkpoint`` (``step-N/ema/``; a second callback's in ``ema-1/``), before
-the step directory is published, so it resumes bitwise, on another world
-size or strategy too, and ``save_model`` exports the averaged model as ``acc.save_model`` does.
+with ``torch.distributed.checkpoint`` (``step-N/ema/``; a second callback's in ``ema-1/``),
+before the step directory is published, so it resumes bitwise, on another world size or strategy
+too, and ``save_model`` exports the averaged model as ``acc.save_model`` does.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class WeightAveraging(Callback):
     update it (``acc.optimizer_steps`` did not move). Only floating-point parameters are
     averaged; buffers (BatchNorm statistics) are the live model's, as with timm's
     ``ModelEmaV3(exclude_buffers=True)`` and Lightning's ``WeightAveraging(use_buffers=False)``
-    (their defaults average floating buffers too). The
-    average is float32 for half-precision parameters (float64 stays float64). Under DeepSpeed
+    (their defaults average floating buffers too). The average is float32 for half-precision
+    parameters (float64 stays float64). Under DeepSpeed
     the weights averaged are the module's (bf16 ones under bf16-mixed), not the optimizer's
     fp32 masters.
 
