@@ -66,10 +66,13 @@ _STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "model
 
 # -- save ------------------------------------------------------------------------------------
 def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None,
-               *, extra_state: dict[str, Any] | None = None) -> Path:
+               *, extra_state: dict[str, Any] | None = None,
+               before_publish: Callable[[Path], None] | None = None) -> Path:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
-    Collective. See ``Accelerator.save_state``.
+    Collective. See ``Accelerator.save_state``. ``before_publish(tmp)`` (every rank) writes more
+    files into the temporary step directory: they are listed in its manifest and published with
+    it (the Trainer's ``on_write_checkpoint``).
     """
     _check_between_windows(acc, "save_state")
     if extra_state is not None:
@@ -104,6 +107,8 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
             _write_tensors(tmp / SCHEDULERS, schedulers)
 
     _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
+    if before_publish is not None:
+        _agree(acc, lambda: before_publish(tmp), f"writing the callbacks' files into {tmp}")
     meta = _metadata(acc, empty)
     if extra_state is not None:
         meta["extra_state"] = extra_state

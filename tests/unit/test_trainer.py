@@ -71,8 +71,8 @@ def test_event_order_with_eval_and_checkpoint_then_resume(tmp_path: Path) -> Non
     off = [*MICRO, "on_train_batch_end"]
     step = [*MICRO, "on_before_optimizer_step", "on_optimizer_step"]
     assert rec.events == ["on_fit_start", *off, *step, "on_train_batch_end", *off, *step,
-                          "on_validation_start", "on_validation_end", "on_save_checkpoint",
-                          "on_train_batch_end", "on_fit_end"]
+                          "on_validation_start", "on_validation_end", "on_write_checkpoint",
+                          "on_save_checkpoint", "on_train_batch_end", "on_fit_end"]
     assert result.step == 2 and (tmp_path / "step-2").is_dir()
 
     # A new run in the same directory resumes at step 2 and trains 1 more: the end of fit
@@ -83,7 +83,7 @@ def test_event_order_with_eval_and_checkpoint_then_resume(tmp_path: Path) -> Non
     result = trainer.fit()
     assert rec.events == ["on_fit_start", "on_load_checkpoint", *off, *step,
                           "on_train_batch_end", "on_validation_start", "on_validation_end",
-                          "on_save_checkpoint", "on_fit_end"]
+                          "on_write_checkpoint", "on_save_checkpoint", "on_fit_end"]
     assert result.step == 3 and result.resumed_from == tmp_path
     with (tmp_path / "metrics.csv").open() as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == [1, 2, 3]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +47,11 @@ def _checkpointer() -> Any:
 
 
 def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int | None,
-         extra_state: dict[str, Any] | None = None) -> Path:
-    """Writes ``run_dir/step-<state.step>`` atomically, then ``latest``. Collective."""
+         extra_state: dict[str, Any] | None = None,
+         before_publish: Callable[[Path], None] | None = None) -> Path:
+    """Writes ``run_dir/step-<state.step>`` atomically, then ``latest``. Collective.
+    ``before_publish(tmp)`` (every process) writes more files into the temporary step directory,
+    published with it."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
@@ -64,6 +68,8 @@ def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int |
     checkpointer.wait_until_finished()
     checkpointer.close()
     layout.write_json(tmp / f"process-{jax.process_index()}.json", _host_rng_state())
+    if before_publish is not None:
+        before_publish(tmp)
     _sync(f"accumix-save-written-{step}")
     if acc.is_main_process:
         loader = acc._loader

@@ -9,7 +9,7 @@ One optimizer step with K micro-steps fires, in order::
     on_train_batch_start, on_before_backward, on_after_backward, on_train_batch_end  (K-1 times)
     on_train_batch_start, on_before_backward, on_after_backward,
     on_before_optimizer_step, on_optimizer_step, [on_validation_start, on_validation_end],
-    [on_save_checkpoint], on_train_batch_end
+    [on_write_checkpoint, on_save_checkpoint], on_train_batch_end
 
 wrapped once in ``on_fit_start`` ... ``on_fit_end`` (``on_load_checkpoint`` right after
 ``on_fit_start`` when a run resumes; ``on_exception`` instead of ``on_fit_end`` on an error).
@@ -41,6 +41,7 @@ EVENTS = (
     "on_train_batch_end",
     "on_validation_start",
     "on_validation_end",
+    "on_write_checkpoint",
     "on_save_checkpoint",
     "on_load_checkpoint",
     "on_exception",
@@ -85,6 +86,12 @@ class Callback:
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After an evaluation; ``metrics["val_loss"]`` is the same on every rank."""
+
+    def on_write_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+        """While a checkpoint is written, before it is published: files written under
+        ``directory`` (the temporary step directory) are part of the checkpoint, which
+        ``latest`` names only once they are complete (``WeightAveraging`` writes its average
+        here). Collective: every rank calls it."""
 
     def on_save_checkpoint(self, trainer: Trainer, path: Path) -> None:
         """After ``Accelerator.save_state`` wrote ``path`` (a ``step-<n>`` directory)."""

@@ -187,9 +187,14 @@ class TorchSteps:
         return evaluate(self.model, loader, self.val_step_fn, acc, max_batches=max_batches,
                         sharded=max_batches >= 0)
 
-    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any]) -> Path:
-        kwargs = {"keep_last": keep_last} if keep_last else {}
-        written = self.accelerator.save_state(run_dir, extra_state=extra_state, **kwargs)
+    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
+             before_publish: Callable[[Path], None] | None = None) -> Path:
+        from accumix import checkpoint
+
+        # checkpoint.save_state is acc.save_state with the callbacks' files written before
+        # ``latest`` moves (a crash in between must not publish a checkpoint without them).
+        written = checkpoint.save_state(self.accelerator, run_dir, keep_last=keep_last or None,
+                                        extra_state=extra_state, before_publish=before_publish)
         return Path(written) if isinstance(written, (str, Path)) else (
             run_dir / f"step-{self.accelerator.optimizer_steps}")
 

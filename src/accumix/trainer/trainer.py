@@ -365,7 +365,8 @@ class Trainer:
                 log.warning("checkpoints are off: no run_dir was given")
             self._warned_no_checkpoint = True
             return None
-        path = self.steps.save(self.run_dir, self.keep_checkpoints, self.state_dict())
+        path = self.steps.save(self.run_dir, self.keep_checkpoints, self.state_dict(),
+                               lambda tmp: self.dispatch("on_write_checkpoint", tmp))
         self._saved_step = self.step
         self.dispatch("on_save_checkpoint", path)
         return path
