@@ -19,13 +19,13 @@ moment leaves the previous checkpoint complete and pointed to (``accumix.run_dir
 the JAX backend shares). A load checks everything it can before it changes anything
 (``meta.json``, every file's size, the loaders' positions, the schedulers' types, the models'
 keys) and never unpickles arbitrary objects: JSON, ``weights_only`` tensors, and
-torch.distributed.checkpoint's metadata through a whitelist.
+torch.distributed.checkpoint's metadata through a whitelist. ``checkpoint_meta.py`` writes and
+checks ``meta.json``.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from accumix import accum_steps, fault, rng_state, window_end
+from accumix import accum_steps, checkpoint_meta, fault, rng_state, window_end
 from accumix import run_dir as layout
 from accumix.batch_sizes import resumed_grad_accum_steps
+from accumix.checkpoint_meta import FORMAT as FORMAT  # re-exported: where it was
 from accumix.errors import AccumixError, CheckpointError, ConfigError
 from accumix.plain_values import numpy_floats, plain
-from accumix.run_dir import META, alternatives, latest_checkpoint, resolve
+from accumix.run_dir import alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
@@ -49,19 +50,8 @@ __all__ = ["CheckpointError", "latest_checkpoint", "load_state", "resolve", "sav
 
 log = logging.getLogger("accumix")
 
-FORMAT = 1
 MODEL_DIR = "model"
 SCHEDULERS = "schedulers.pt"
-# Formats this accumix no longer reads: what wrote them and what still loads them.
-_RETIRED_FORMATS = {
-    "deepspeed": "{path} holds DeepSpeed's own engine checkpoint (checkpoint_format='deepspeed', "
-                 "written by strategy='deepspeed' in accumix {version}), which this accumix no "
-                 "longer reads: strategy='deepspeed' now saves the format every strategy shares; "
-                 "resume it with accumix {version} on {world} ranks, or rebuild its weights with "
-                 "DeepSpeed's zero_to_fp32.py on {path}/model",
-}
-_STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "models",
-               "optimizers", "schedulers", "loaders")
 
 
 # -- save ------------------------------------------------------------------------------------
@@ -109,7 +99,7 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
     _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
     if before_publish is not None:
         _agree(acc, lambda: before_publish(tmp), f"writing the callbacks' files into {tmp}")
-    meta = _metadata(acc, empty)
+    meta = checkpoint_meta.metadata(acc, empty)
     if extra_state is not None:
         meta["extra_state"] = extra_state
 
@@ -179,43 +169,6 @@ def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
     return states
 
 
-def _metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
-    from accumix import __version__
-
-    loaders = [{**loader.state_dict(), **loader.sampling_state()} for loader in acc._loaders]
-    return {
-        "format": FORMAT,
-        "accumix_version": __version__,
-        "torch_version": torch.__version__,
-        "step": acc.optimizer_steps,
-        "epoch": loaders[0]["epoch"] if loaders else None,
-        "position": loaders[0]["position"] if loaders else None,
-        "world_size": acc.world_size,
-        "strategy": acc.strategy.name,
-        "checkpoint_format": acc.strategy.checkpoint_format,
-        "precision": acc.policy.name,
-        "grad_accum_steps": acc.grad_accum_steps,
-        "grad_accum": accum_steps.geometry(acc),
-        "state": {
-            "optimizer_steps": acc.optimizer_steps,
-            "step_was_skipped": acc.step_was_skipped,
-            "window": acc._window.state_dict(),
-            "scaler": acc.strategy.scaler.state_dict(),
-            # The last window's overflow when its scale update still waits for a step or a
-            # zero_grad (the save came between them): the resumed run makes that update.
-            "pending_scale_update": window_end.pending_overflow(acc),
-            "models": len(acc._models),
-            "optimizers": [{"stepped_window": o.stepped_window, "empty": e}
-                           for o, e in zip(acc._optimizers, empty, strict=True)],
-            # The state itself is in schedulers.pt; these are for a reader (and the type check).
-            "schedulers": [{"type": type(s.scheduler).__name__,
-                            "last_epoch": getattr(s.scheduler, "last_epoch", None),
-                            "stepped_window": s._stepped_window} for s in acc._schedulers],
-            "loaders": loaders,
-        },
-    }
-
-
 # -- load ------------------------------------------------------------------------------------
 def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = True) -> Path:
     """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
@@ -229,7 +182,7 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
     error: tuple[bool, str] | None = None
     try:  # everything that can be checked before anything is changed
         step_dir = resolve(path)
-        meta = _validate(acc, step_dir)
+        meta = checkpoint_meta.validate(acc, step_dir)
         rng = _read_tensors(step_dir / f"rank-{acc.rank % meta['world_size']}.pt")
         schedulers = _saved_scheduler_states(step_dir, meta)
         for index, (loader, saved) in enumerate(zip(acc._loaders, meta["state"]["loaders"],
@@ -318,70 +271,6 @@ def _saved_scheduler_states(step_dir: Path, meta: dict[str, Any]) -> list[dict[s
         raise CheckpointError(f"{step_dir / SCHEDULERS} does not hold {len(saved)} LR "
                               f"scheduler states; {alternatives(step_dir)}")
     return states
-
-
-def _validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
-    meta_path = step_dir / META
-    try:
-        meta = json.loads(meta_path.read_text())
-        state = meta["state"]
-        missing = [k for k in ("format", "world_size", "files") if k not in meta] + [
-            f"state.{k}" for k in _STATE_KEYS if k not in state]
-        files = dict(meta["files"]) if "files" in meta else {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{meta_path} is unreadable or incomplete "
-                              f"({type(exc).__name__}: {exc}); {alternatives(step_dir)}") from exc
-    if missing:
-        raise CheckpointError(
-            f"{meta_path} is not the meta.json of an accumix checkpoint (it has no "
-            f"{', '.join(map(repr, missing))}); pass a directory written by acc.save_state"
-        )
-    for name, size in files.items():
-        file = step_dir / name
-        if not file.is_file():
-            raise CheckpointError(f"{file} is missing; {alternatives(step_dir)}")
-        if file.stat().st_size != size:
-            raise CheckpointError(
-                f"{file} has {file.stat().st_size} bytes where {size} were written (truncated "
-                f"or overwritten); {alternatives(step_dir)}"
-            )
-    if meta.get("checkpoint_format") in _RETIRED_FORMATS:
-        raise CheckpointError(_RETIRED_FORMATS[meta["checkpoint_format"]].format(
-            path=step_dir, version=meta.get("accumix_version"), world=meta["world_size"]))
-    expected = {
-        "format": FORMAT,
-        "checkpoint_format": acc.strategy.checkpoint_format,
-        "precision": acc.policy.name,
-    }
-    for key, mine in expected.items():
-        if meta.get(key) != mine:
-            raise CheckpointError(
-                f"{meta_path} has {key}={meta.get(key)!r} but this run has {mine!r} "
-                f"(strategy {acc.strategy.name!r}); resume with the settings it was saved with"
-            )
-    counts = {
-        "models": (state["models"], len(acc._models)),
-        "optimizers": (len(state["optimizers"]), len(acc._optimizers)),
-        "LR schedulers": (len(state["schedulers"]), len(acc._schedulers)),
-        "DataLoaders": (len(state["loaders"]), len(acc._loaders)),
-    }
-    for what, (saved, mine) in counts.items():
-        if saved != mine:
-            raise CheckpointError(
-                f"{meta_path} holds {saved} {what} but this run set up {mine}; "
-                "call acc.setup with the same objects before acc.load_state"
-            )
-    for index, (saved, sched) in enumerate(zip(state["schedulers"], acc._schedulers,
-                                               strict=True)):
-        mine = type(sched.scheduler).__name__
-        if saved.get("type", mine) != mine:
-            raise CheckpointError(
-                f"{meta_path} holds a {saved['type']} as LR scheduler {index} but this run set "
-                f"up a {mine}; set up the scheduler the checkpoint was saved with"
-            )
-    if not (step_dir / f"rank-{acc.rank % meta['world_size']}.pt").is_file():
-        raise CheckpointError(f"{step_dir}/rank-{acc.rank % meta['world_size']}.pt is missing")
-    return meta
 
 
 def _write_tensors(path: Path, obj: Any) -> None:

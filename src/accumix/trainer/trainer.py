@@ -24,7 +24,6 @@ result.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -32,16 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accumix import run_dir as layout
 from accumix.errors import ConfigError
-from accumix.trainer import run_state
+from accumix.trainer import checkpointing, run_state
 from accumix.trainer.callbacks import LossGuard
 from accumix.trainer.events import Callback
 from accumix.trainer.loggers import MetricLogger, resolve_loggers
 from accumix.trainer.metrics import StepMetrics
 from accumix.trainer.progress import ProgressBar
-
-log = logging.getLogger("accumix")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -338,7 +334,7 @@ class Trainer:
         if stepped and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
 
-    # -- evaluation and checkpoints ------------------------------------------------------------
+    # -- evaluation and checkpoints (trainer/checkpointing.py) ---------------------------------
     def validate(self) -> dict[str, float]:
         """Evaluates on the validation data over all ranks (collective: every rank calls it).
 
@@ -360,16 +356,7 @@ class Trainer:
             The step directory written, or None without a run directory (a warning says so,
             once).
         """
-        if self.run_dir is None:
-            if not self._warned_no_checkpoint and self.accelerator.is_main_process:
-                log.warning("checkpoints are off: no run_dir was given")
-            self._warned_no_checkpoint = True
-            return None
-        path = self.steps.save(self.run_dir, self.keep_checkpoints, self.state_dict(),
-                               lambda tmp: self.dispatch("on_write_checkpoint", tmp))
-        self._saved_step = self.step
-        self.dispatch("on_save_checkpoint", path)
-        return path
+        return checkpointing.save_checkpoint(self)
 
     def load_checkpoint(self, path: str | Path, *, missing_ok: bool = False) -> Path | None:
         """Restores the run from ``path`` (a run directory, whose ``latest`` is followed, or a
@@ -386,21 +373,7 @@ class Trainer:
             ConfigError: no checkpoint at ``path`` (unless ``missing_ok``), or this accumix
                 cannot load checkpoints.
         """
-        path = Path(path)
-        if not (path / "latest").exists() and not path.name.startswith("step-"):
-            if missing_ok:
-                return None
-            raise ConfigError(f"no checkpoint at {str(path)!r}: it has no 'latest'")
-        self.steps.load(path)
-        self.step = self.steps.optimizer_steps
-        self._saved_step = self.step
-        self.resumed_from = path
-        self.epoch = self.steps.epoch
-        self.load_state_dict(layout.extra_state(layout.resolve(path)))
-        if self.accelerator.is_main_process:
-            log.info("resumed from %s at step %d", path, self.step)
-        self.dispatch("on_load_checkpoint", path)
-        return path
+        return checkpointing.load_checkpoint(self, path, missing_ok=missing_ok)
 
     # -- the loop's state in the checkpoint (trainer/run_state.py) -------------------------------
     def state_dict(self) -> dict[str, Any]:

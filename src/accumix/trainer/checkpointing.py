@@ -1,0 +1,52 @@
+"""The Trainer's checkpoints: ``save_checkpoint`` writes the run through the steps object with
+the loop's own state (``run_state.py``) in ``meta.json``; ``load_checkpoint`` resumes from a run
+directory's ``latest`` or a step directory and puts that state back."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from accumix import run_dir as layout
+from accumix.errors import ConfigError
+
+if TYPE_CHECKING:
+    from accumix.trainer.trainer import Trainer
+
+log = logging.getLogger("accumix")
+
+
+def save_checkpoint(trainer: Trainer) -> Path | None:
+    """``trainer.save_checkpoint()``: collective; None (a warning, once) without a run
+    directory."""
+    if trainer.run_dir is None:
+        if not trainer._warned_no_checkpoint and trainer.accelerator.is_main_process:
+            log.warning("checkpoints are off: no run_dir was given")
+        trainer._warned_no_checkpoint = True
+        return None
+    path = trainer.steps.save(trainer.run_dir, trainer.keep_checkpoints, trainer.state_dict(),
+                              lambda tmp: trainer.dispatch("on_write_checkpoint", tmp))
+    trainer._saved_step = trainer.step
+    trainer.dispatch("on_save_checkpoint", path)
+    return path
+
+
+def load_checkpoint(trainer: Trainer, path: str | Path, *, missing_ok: bool) -> Path | None:
+    """``trainer.load_checkpoint(path)``: collective; None when ``missing_ok`` and nothing is
+    there."""
+    path = Path(path)
+    if not (path / "latest").exists() and not path.name.startswith("step-"):
+        if missing_ok:
+            return None
+        raise ConfigError(f"no checkpoint at {str(path)!r}: it has no 'latest'")
+    trainer.steps.load(path)
+    trainer.step = trainer.steps.optimizer_steps
+    trainer._saved_step = trainer.step
+    trainer.resumed_from = path
+    trainer.epoch = trainer.steps.epoch
+    trainer.load_state_dict(layout.extra_state(layout.resolve(path)))
+    if trainer.accelerator.is_main_process:
+        log.info("resumed from %s at step %d", path, trainer.step)
+    trainer.dispatch("on_load_checkpoint", path)
+    return path
