@@ -267,3 +267,16 @@ def test_cache_is_not_reused_for_other_shapes_or_dtype(tmp_path: Path) -> None:
     # cache). Each probed (True) again: the old key (parameter count) reused 8 for Narrow.
     assert chosen == [(8, True), (4, True), (4, True)]
     assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 3
+
+
+def test_deepspeed_reduction_buckets_count_what_each_device_holds() -> None:
+    """A GPU's allocator holds ZeRO's whole 5e8-element bucket (two with ``overlap_comm``); on
+    CPU only the elements its hooks write become resident (at most the trainable ones)."""
+    from accumix.strategies.deepspeed_probe import bucket_elements
+
+    big = 500_000_000
+    assert bucket_elements(big, 400, overlap_comm=False, resident_when_written=False) == [big]
+    assert bucket_elements(big, 400, overlap_comm=True, resident_when_written=False) == [big, big]
+    assert bucket_elements(big, 400, overlap_comm=True, resident_when_written=True) == [400]
+    assert bucket_elements(100, 400, overlap_comm=False, resident_when_written=True) == [100]
+    assert bucket_elements(100, 400, overlap_comm=True, resident_when_written=True) == [100, 100]

@@ -70,15 +70,36 @@ def reduction_buckets(engine: Any, device: torch.device) -> list[torch.Tensor]:
     after each step): one ``reduce_bucket_size`` buffer per communication dtype, two with
     ``overlap_comm`` (DeepSpeed's default size, 5e8 elements, is 1 GB in bf16). The probe runs
     none of ZeRO's hooks, so it holds buffers of the same size instead; none when the window
-    in progress has them already."""
+    in progress has them already. On CPU only what the hooks write counts
+    (``bucket_elements``)."""
     optimizer = engine.optimizer
     if not getattr(optimizer, "contiguous_gradients", False) or getattr(
             optimizer, "ready_for_gradients", True) or not hasattr(optimizer, "ipg_buckets"):
         return []
     dtype = optimizer._gradient_reduction_buffer_dtype()
-    count = len(optimizer.ipg_buckets) * (2 if getattr(optimizer, "overlap_comm", False) else 1)
-    return [torch.empty(int(optimizer.reduce_bucket_size), dtype=dtype, device=device)
-            for _ in range(count)]
+    trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    sizes = bucket_elements(int(optimizer.reduce_bucket_size), trainable,
+                            overlap_comm=bool(getattr(optimizer, "overlap_comm", False)),
+                            resident_when_written=device.type == "cpu")
+    return [torch.empty(size, dtype=dtype, device=device)
+            for _ in optimizer.ipg_buckets for size in sizes]
+
+
+def bucket_elements(bucket: int, trainable: int, *, overlap_comm: bool,
+                    resident_when_written: bool) -> list[int]:
+    """The elements each of one communication dtype's reduction buffers occupies.
+
+    A GPU's caching allocator holds the whole ``torch.empty`` of ``bucket`` elements. On CPU a
+    buffer this large is mapped, not resident: a page becomes memory when written, and the hooks
+    write at most the trainable gradients into it (a bucket is reduced and refilled from 0 when
+    full), so at most ``min(bucket, trainable)`` elements of it ever count; the second buffer
+    of ``overlap_comm`` is written only once a first bucket was full (ZeRO-2 on one process,
+    bf16, 5e8-element buckets, a 400-parameter model: the process's resident memory grew 5 MB
+    in the first backward, not the 1 GB the whole buffer would be)."""
+    if not resident_when_written:
+        return [bucket] * (2 if overlap_comm else 1)
+    written = min(bucket, trainable)
+    return [written, written] if overlap_comm and trainable > bucket else [written]
 
 
 def follow_choice(engine: Any, micro_batch_size: int, grad_accum_steps: int) -> None:
