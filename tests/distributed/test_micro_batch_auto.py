@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
@@ -42,8 +43,9 @@ class Net(nn.Module):
     """Blocks FSDP wraps, a BatchNorm and dropout in the root, and the injected failure after
     the second block (so under FSDP the first blocks' all-gathers have already run)."""
 
-    def __init__(self, inject: str) -> None:
+    def __init__(self, inject: str, checkpointed: bool = False) -> None:
         super().__init__()
+        self.checkpointed = checkpointed  # the first block under reentrant checkpointing
         torch.manual_seed(0)
         self.inp = nn.Linear(6, 16)
         self.norm = nn.BatchNorm1d(16)
@@ -55,7 +57,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(torch.tanh(self.inp(x)))
         for index, block in enumerate(self.blocks):
-            h = block(h)
+            h = checkpoint(block, h, use_reentrant=True) if index == 0 and self.checkpointed \
+                else block(h)
             if index == 1 and self.inject == "forward" and h.shape[0] > LIMIT_ROWS:
                 raise torch.OutOfMemoryError("injected in forward")
             if index == 1 and self.inject == "backward":
@@ -68,12 +71,12 @@ def _strategy(name: str) -> Any:
 
 
 def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict[str, Any]]:
-    # ZeRO-2's limit is below its 2 GB fp32 reduction bucket, far above what a CPU run makes
-    # resident of it (the probe counted the whole bucket: not even 1 row fitted).
+    # ZeRO-2's limit is below its 1-2 GB reduction bucket (bf16 or fp32), far above what a CPU
+    # run makes resident of it (the probe counted the whole bucket: not even 1 row fitted).
     limit = BELOW_BUCKET if strategy == "zero-2" and micro == "auto" else None
     acc = ax.Accelerator(strategy=_strategy(strategy), global_batch_size=GLOBAL,
                          micro_batch_size=micro, seed=0, timeout=60, memory_limit=limit)
-    net = Net(inject)
+    net = Net(inject, checkpointed=strategy.startswith("zero-"))  # the probe once refused it
     model, optimizer = acc.setup(net, torch.optim.AdamW(net.parameters()))
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(96, 6, generator=generator),

@@ -12,14 +12,18 @@ and precision:
   forward hooks still run (rank 0's BatchNorm buffers are broadcast after the forward, which
   the probe's checkpoint precedes). ZeRO 1 and 2 hold whole parameters: the forward itself
   does not communicate.
-* backward: ``torch.autograd.grad`` over the module's trainable parameters. It computes every
-  gradient at its full size (what ZeRO-1 holds; ZeRO-2 would free each bucket after reducing
-  it, so the probe errs small, never too large) without accumulating into ``.grad``, so
-  ZeRO's post-accumulate hooks, bucket reduction and epilogue never fire: the engine's
-  counters (``micro_steps``, ``global_steps``, the optimizer's ``micro_step_id``), its
-  gradient partitions and buckets, and the loss scale are untouched. The reduction buckets
-  those hooks would allocate (``reduce_bucket_size`` elements each) are allocated beside it,
-  so the peak counts them.
+* backward: the plain ``loss.backward()`` with ZeRO's gradient hooks taken off the
+  parameters meanwhile (``zero_hooks_off``), so its bucket reduction and epilogue never fire:
+  the engine's counters (``micro_steps``, ``global_steps``, the optimizer's ``micro_step_id``),
+  its gradient partitions and buckets, and the loss scale are untouched. Every gradient is
+  computed at its full size into ``.grad`` (what ZeRO-1 holds; ZeRO-2 would free each bucket
+  after reducing it, so the probe errs on the safe side), then dropped. A plain backward, not
+  ``torch.autograd.grad``: a model with reentrant activation checkpointing (``use_reentrant=
+  True``, the default of many Hugging Face models) refuses ``.grad()`` and the probe failed
+  where the run works. Where the hooks cannot be found (another DeepSpeed), the gradients are
+  taken by ``torch.autograd.grad``, which runs no hook either. The reduction buckets those
+  hooks would allocate (``reduce_bucket_size`` elements each) are allocated beside it, so the
+  peak counts them.
 
 ZeRO-3 partitions the parameters: its forward and backward all-gather them from module hooks
 (prefetching the next modules' ahead of time), which no checkpoint can precede, so stage 3 is
@@ -57,12 +61,41 @@ def module_forward(engine: Any) -> Iterator[None]:
 
 
 def probe_backward(loss: torch.Tensor, engine: Any) -> None:
-    """The probe's backward: every gradient computed, none accumulated, no hook of ZeRO's;
-    the reduction buckets ZeRO's first hook would allocate are held meanwhile."""
+    """The probe's backward: every gradient computed into ``.grad`` (dropped by the caller),
+    no hook of ZeRO's; the reduction buckets ZeRO's first hook would allocate are held
+    meanwhile."""
     params = [p for p in engine.module.parameters() if p.requires_grad]
     buckets = reduction_buckets(engine, params[0].device if params else torch.device("cpu"))
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    del grads, buckets
+    with zero_hooks_off(engine.optimizer) as off:
+        if off:
+            loss.backward()
+        else:
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            del grads
+    del buckets
+
+
+@contextmanager
+def zero_hooks_off(optimizer: Any) -> Iterator[bool]:
+    """Takes ZeRO 1/2's post-accumulate gradient hooks (``_grad_acc_hooks``: the handles of
+    ``register_post_accumulate_grad_hook``) off their parameters and puts the same functions
+    back under the same keys afterwards; yields whether they could be taken off (False: a
+    DeepSpeed whose hooks are not where 0.19 keeps them)."""
+    handles = getattr(optimizer, "_grad_acc_hooks", None)
+    if not isinstance(handles, list) or not all(
+            hasattr(h, "hooks_dict_ref") and hasattr(h, "id") for h in handles):
+        yield False
+        return
+    taken = []
+    for handle in handles:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            taken.append((hooks, handle.id, hooks.pop(handle.id)))
+    try:
+        yield True
+    finally:
+        for hooks, key, hook in taken:
+            hooks[key] = hook
 
 
 def reduction_buckets(engine: Any, device: torch.device) -> list[torch.Tensor]:
