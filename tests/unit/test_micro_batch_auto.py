@@ -280,3 +280,21 @@ def test_deepspeed_reduction_buckets_count_what_each_device_holds() -> None:
     assert bucket_elements(big, 400, overlap_comm=True, resident_when_written=True) == [400]
     assert bucket_elements(100, 400, overlap_comm=False, resident_when_written=True) == [100]
     assert bucket_elements(100, 400, overlap_comm=True, resident_when_written=True) == [100, 100]
+
+
+def test_cache_is_not_reused_for_other_strategy_settings(tmp_path: Path) -> None:
+    """The cached answer is keyed by the strategy's memory settings (FSDP's activation
+    checkpointing here; DeepSpeed's bucket sizes): a restart that changes them probes again
+    (before, it reused the answer with 0 probes); the same settings reuse it."""
+    probes = []
+    for checkpointing in (True, False, False):
+        acc = ax.Accelerator(strategy=ax.FSDPStrategy(activation_checkpointing=checkpointing),
+                             global_batch_size=GLOBAL, micro_batch_size="auto",
+                             memory_limit=12_000_000)
+        net = Wide()
+        model, _ = acc.setup(net, torch.optim.SGD(net.parameters()))
+        acc.find_micro_batch_size(lambda x, m=model: m(x).mean(), _make, run_dir=tmp_path)
+        probes.append(acc.micro_batch_choice.probes > 0)
+        acc.end()
+    assert probes == [True, True, False]
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 2
