@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
+from accumix.errors import ConfigError
 from accumix.micro_batch_cache import CACHE_FILE
 from accumix.micro_batch_probe import _far_over, measure
 
@@ -298,3 +299,16 @@ def test_cache_is_not_reused_for_other_strategy_settings(tmp_path: Path) -> None
         acc.end()
     assert probes == [True, True, False]
     assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 2
+
+
+def test_a_size_the_step_refuses_is_left_out_and_named() -> None:
+    """BatchNorm refuses 1 row: when no larger size fits, the answer is the one-line
+    ConfigError naming the smallest runnable size and what 1 row raised (before: the model's
+    own ``ValueError`` from probing 1 row, as if the model were broken)."""
+    acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", memory_limit=1000)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16))
+    model, _ = acc.setup(net, torch.optim.SGD(net.parameters()))
+    with pytest.raises(ConfigError, match=r"not even a micro-batch of 2 fits in memory_limit=1000 "
+                       r".*; 1 row\(s\) raised ValueError: Expected more than 1 value"):
+        acc.find_micro_batch_size(lambda x: model(x).mean(), _make)
