@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.errors import ConfigError
+from accumix.micro_batch_cache import cache_key
 from accumix.micro_batch_probe import measure
 from accumix.testing import ResidualBlock
 from tests.distributed import micro_batch_jobs
@@ -110,6 +111,17 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
     return chosen, steps, state
 
 
+def _key(stage: int, config: dict[str, Any] | None) -> str:
+    """The cache key ``auto`` files its answer under, for one DeepSpeed set-up."""
+    acc = ax.Accelerator(strategy=ax.DeepSpeedStrategy(stage=stage, config=config),
+                         global_batch_size=GLOBAL, micro_batch_size="auto", seed=0, timeout=60)
+    net = Net("")
+    acc.setup(net, torch.optim.AdamW(net.parameters()))
+    key = cache_key(acc, (torch.randn(1, 6), torch.randn(1, 1)), GLOBAL, 0.1)
+    acc.end()
+    return key
+
+
 CASES = {"ddp": ("forward",), "zero1": ("forward",), "fsdp": ("forward", "backward")}
 if importlib.util.find_spec("deepspeed") is not None:
     CASES |= {"zero-1": ("forward",), "zero-2": ("forward", "backward")}
@@ -129,6 +141,8 @@ def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
             if "bucket" in auto:
                 out["zero-2 bucket"] = auto["bucket"]
     if "zero-2" in cases:
+        out["zero keys"] = [_key(stage, config) for stage, config in (
+            (1, None), (2, None), (2, {"zero_optimization": {"reduce_bucket_size": 10**9}}))]
         try:
             _train("zero-3", "auto", "")
         except ConfigError as exc:
@@ -142,6 +156,9 @@ def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwis
         if "zero-2" in CASES:
             assert result.pop("zero-3").startswith("micro_batch_size='auto' does not probe "
                                                    "DeepSpeedStrategy(stage=3)"), rank
+        if "zero-2" in CASES:  # the stage and the bucket size key the cached answer
+            keys = result.pop("zero keys")
+            assert len(set(keys)) == 3, (rank, keys)
         if "zero-2" in CASES:
             # On CPU the bucket counts what ZeRO's hooks write of it (the gradients), not the
             # whole mapped buffer, which never becomes resident (the probe counted 2e9 bytes).
