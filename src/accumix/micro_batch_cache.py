@@ -22,7 +22,8 @@ CACHE_FILE = "micro_batch_auto.json"
 
 
 def cache_key(acc: Accelerator, sample: Any, global_batch: int, headroom: float) -> str:
-    """What the answer depends on: world, precision, strategy, the shapes of a one-row batch
+    """What the answer depends on: world, precision, strategy and its memory settings
+    (``Strategy.probe_settings``), the shapes of a one-row batch
     (``sample``), the device model, the parameters' shapes and dtypes, the optimizers, the
     global batch, the limit and the headroom."""
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(sample)
@@ -36,10 +37,13 @@ def cache_key(acc: Accelerator, sample: Any, global_batch: int, headroom: float)
                   for o in acc._optimizers]
     parts = {"world": acc.strategy.dp_world_size, "precision": acc.policy.name,
              "strategy": acc.strategy.name, "shapes": repr(shapes),
+             # Its memory settings: a DeepSpeed bucket size, FSDP's activation checkpointing.
+             "strategy_settings": acc.strategy.probe_settings(),
              "device": device_model(acc.device), "params": params,
              "optimizers": optimizers,
              "global_batch": global_batch, "limit": acc._memory_limit, "headroom": headroom}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    text = json.dumps(parts, sort_keys=True, default=repr)  # a config value JSON has no form for
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def read_cache(run_dir: str | os.PathLike[str] | None, key: str) -> int | None:

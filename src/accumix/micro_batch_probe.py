@@ -41,7 +41,6 @@ given the chosen size.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import numbers
@@ -165,21 +164,28 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
                     fits_with_headroom(int(peak), int(lim), headroom) for _, peak, lim in rows)
         return verdicts[n]
 
+    raised: dict[int, str] = {}  # sizes whose step raised (BatchNorm refusing 1 row)
     with _parameters_preserved(acc):
         if acc.device.type == "cpu":
             # No out-of-memory error on CPU before the kernel kills the process: the two
             # smallest sizes first give each rank's bytes per row, and a size predicted far past
             # the limit is not run (``_far_over``).
             for n in sizes[:2]:
-                with contextlib.suppress(ProbeError):  # e.g. BatchNorm refusing 1 row: no
-                    fits(n, tolerate=True)                # prediction, the search goes on
-        best, _ = largest_fitting(sizes, fits)
+                try:
+                    fits(n, tolerate=True)
+                except ProbeError as exc:  # no prediction; the search goes on without n, which
+                    raised[n] = str(exc)   # cannot run (the bisection came back to it and
+                    # raised the model's own error when no larger size fitted)
+        runnable = [n for n in sizes if n not in raised]
+        best, _ = largest_fitting(runnable, fits) if runnable else (None, 0)
     probes = len(results)
     if best is None:
-        detail = (f"peak {results[1]} [failed, peak, limit] per rank" if 1 in results
-                  else "a rank ran out of memory")
-        raise ConfigError(f"micro_batch_size='auto': not even a micro-batch of 1 fits in "
-                          f"memory_limit={limit} bytes with headroom {headroom} ({detail}); "
+        smallest = runnable[0] if runnable else sizes[0]
+        detail = (f"peak {results[smallest]} [failed, peak, limit] per rank"
+                  if smallest in results else "a rank ran out of memory")
+        detail += "".join(f"; {n} row(s) raised {message}" for n, message in raised.items())
+        raise ConfigError(f"micro_batch_size='auto': not even a micro-batch of {smallest} fits "
+                          f"in memory_limit={limit} bytes with headroom {headroom} ({detail}); "
                           "use a larger memory_limit, a sharding strategy (fsdp) or a smaller "
                           "model")
     rows = results[best]
@@ -235,6 +241,7 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
     failed = 0.0
     rows = None
     error: Exception | None = None
+    said = "an error on another rank"  # what a tolerant probe's ProbeError says
     try:
         with checkpoint_hooks(acc, agreement), meter.measure():
             _step_once(acc, step, make_batch(n), agreement)
@@ -245,6 +252,7 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
         pass
     except Exception as exc:  # the user's error: every rank stops at the same gather first
         failed, error = ERROR, None if tolerate else exc
+        said = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     finally:
         for model in acc._models:
             acc.strategy.clear_gradients(model)
@@ -253,7 +261,7 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
         agreement.fail(failed)
     if agreement.kind == ERROR:
         if tolerate:
-            raise ProbeError
+            raise ProbeError(said)
         if error is not None:
             raise error
         raise AccumixError(f"micro_batch_size='auto': another rank's step raised while probing "

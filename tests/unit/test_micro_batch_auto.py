@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
+from accumix.errors import ConfigError
 from accumix.micro_batch_cache import CACHE_FILE
 from accumix.micro_batch_probe import _far_over, measure
 
@@ -267,3 +268,47 @@ def test_cache_is_not_reused_for_other_shapes_or_dtype(tmp_path: Path) -> None:
     # cache). Each probed (True) again: the old key (parameter count) reused 8 for Narrow.
     assert chosen == [(8, True), (4, True), (4, True)]
     assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 3
+
+
+def test_deepspeed_reduction_buckets_count_what_each_device_holds() -> None:
+    """A GPU's allocator holds ZeRO's whole 5e8-element bucket (two with ``overlap_comm``); on
+    CPU only the elements its hooks write become resident (at most the trainable ones)."""
+    from accumix.strategies.deepspeed_probe import bucket_elements
+
+    big = 500_000_000
+    assert bucket_elements(big, 400, overlap_comm=False, resident_when_written=False) == [big]
+    assert bucket_elements(big, 400, overlap_comm=True, resident_when_written=False) == [big, big]
+    assert bucket_elements(big, 400, overlap_comm=True, resident_when_written=True) == [400]
+    assert bucket_elements(100, 400, overlap_comm=False, resident_when_written=True) == [100]
+    assert bucket_elements(100, 400, overlap_comm=True, resident_when_written=True) == [100, 100]
+
+
+def test_cache_is_not_reused_for_other_strategy_settings(tmp_path: Path) -> None:
+    """The cached answer is keyed by the strategy's memory settings (FSDP's activation
+    checkpointing here; DeepSpeed's bucket sizes): a restart that changes them probes again
+    (before, it reused the answer with 0 probes); the same settings reuse it."""
+    probes = []
+    for checkpointing in (True, False, False):
+        acc = ax.Accelerator(strategy=ax.FSDPStrategy(activation_checkpointing=checkpointing),
+                             global_batch_size=GLOBAL, micro_batch_size="auto",
+                             memory_limit=12_000_000)
+        net = Wide()
+        model, _ = acc.setup(net, torch.optim.SGD(net.parameters()))
+        acc.find_micro_batch_size(lambda x, m=model: m(x).mean(), _make, run_dir=tmp_path)
+        probes.append(acc.micro_batch_choice.probes > 0)
+        acc.end()
+    assert probes == [True, True, False]
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 2
+
+
+def test_a_size_the_step_refuses_is_left_out_and_named() -> None:
+    """BatchNorm refuses 1 row: when no larger size fits, the answer is the one-line
+    ConfigError naming the smallest runnable size and what 1 row raised (before: the model's
+    own ``ValueError`` from probing 1 row, as if the model were broken)."""
+    acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", memory_limit=1000)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16))
+    model, _ = acc.setup(net, torch.optim.SGD(net.parameters()))
+    with pytest.raises(ConfigError, match=r"not even a micro-batch of 2 fits in memory_limit=1000 "
+                       r".*; 1 row\(s\) raised ValueError: Expected more than 1 value"):
+        acc.find_micro_batch_size(lambda x: model(x).mean(), _make)

@@ -159,6 +159,12 @@ class Strategy:
         """The probe's backward (inside ``probe_mode``): no collective. Default: ``backward``."""
         self.backward(loss, model)
 
+    def probe_settings(self) -> dict[str, Any]:
+        """This strategy's settings that change a micro-step's memory (bucket sizes, sharding,
+        activation checkpointing): ``micro_batch_size="auto"`` keys its cached answer by them,
+        so a restart with other settings probes again. Default: none."""
+        return {}
+
     def state_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer that holds this rank's states, stepped without communicating (what
         ``micro_batch_size="auto"`` copies to measure them): the stepped one itself here."""

@@ -56,6 +56,9 @@ class DDPStrategy(Strategy):
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
 
+    def probe_settings(self) -> dict[str, Any]:
+        return {**self.ddp_kwargs, "sync_batchnorm": self.sync_batchnorm}
+
     def setup(
         self, model: nn.Module, optimizers: list[Optimizer]
     ) -> tuple[nn.Module, list[Optimizer]]:

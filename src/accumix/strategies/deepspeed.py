@@ -320,6 +320,10 @@ class DeepSpeedStrategy(Strategy):
     def probe_mode(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return deepspeed_probe.module_forward(self._engine(model))
 
+    def probe_settings(self) -> dict[str, Any]:
+        # The user's config holds the bucket sizes, overlap_comm, contiguous_gradients, ...
+        return {"stage": self.stage, "config": self.user_config}
+
     def probe_backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         deepspeed_probe.probe_backward(loss, self._engine(model))
 

@@ -201,6 +201,12 @@ class FSDPStrategy(Strategy):
             return contextlib.nullcontext()
         return _gradient_sync_off(units)
 
+    def probe_settings(self) -> dict[str, Any]:
+        return {"sharding": self.sharding, "reduce_dtype": str(self.reduce_dtype),
+                "sync_each_microstep": self.sync_each_microstep,
+                "activation_checkpointing": self.activation_checkpointing,
+                "wrap": [c.__qualname__ for c in self.wrap or ()]}
+
     def probe_units(self, model: nn.Module) -> list[nn.Module]:
         """Every FSDP unit: each all-gathers before its forward and its backward."""
         return [m for m in model.modules() if isinstance(m, FSDPModule)] or [model]
