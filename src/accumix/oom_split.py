@@ -77,6 +77,13 @@ def split_loss(output: Any) -> tuple[torch.Tensor, torch.Tensor | int | float | 
     if isinstance(output, (tuple, list)) and len(output) == 2:
         loss, items = output
         if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            # A Hugging Face model with return_dict=False returns (loss, logits): a count must
+            # be one number, or every row's gradient would be divided by the logits.
+            if isinstance(items, torch.Tensor) and items.numel() != 1:
+                raise ConfigError(
+                    f"the step function returned (loss, a tensor of shape {tuple(items.shape)}); "
+                    "return (loss_sum, num_items) with one number as num_items, or the mean "
+                    "loss alone (for a model's (loss, logits) tuple: output[0])")
             return loss, items
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.dim() == 0:

@@ -14,7 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import accumix as ax
-from accumix.oom_split import slice_batch
+from accumix.errors import ConfigError
+from accumix.oom_split import slice_batch, split_loss
 from accumix.trainer import Trainer
 from tests import workloads as w
 from tests.oom_injection import LogLines, make_model
@@ -113,3 +114,12 @@ def test_slice_batch_cuts_every_part_with_the_rows() -> None:
     assert isinstance(part["pair"], Pair) and part["pair"].x.tolist() == [1, 2]
     assert part["texts"] == ["b", "c"]
     assert part["table"].shape == (3, 5) and part["n"] == 7  # not rows: kept whole
+
+
+def test_a_loss_and_logits_pair_is_not_read_as_a_count() -> None:
+    loss, logits = torch.tensor(2.0), torch.randn(3, 5)
+    with pytest.raises(ConfigError, match=r"shape \(3, 5\).*output\[0\]"):
+        split_loss((loss, logits))
+    assert split_loss((loss, torch.tensor(4))) == (loss, torch.tensor(4))
+    assert split_loss((loss, 4)) == (loss, 4)
+    assert split_loss(loss) == (loss, None)
