@@ -49,8 +49,6 @@ more than one model per strategy (one engine owns one model and one optimizer).
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,52 +72,19 @@ from accumix.strategies.deepspeed_config import (
 )
 from accumix.strategies.deepspeed_engine import (
     clear_stage3_grad_partitions,
+    clip_partitions_,
     defer_scale_update,
+    ensure_process_group,
+    initialize,
     off_boundary,
     partition_grads,
+    release_group_references,
     skip_cpu_shm_build,
 )
+from accumix.strategies.deepspeed_loss_scale import EngineLossScale
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
 from accumix.strategies.optimizer_exactness import check_deepspeed
-
-
-# -- the loss scale --------------------------------------------------------------------------
-class EngineLossScale(NoLossScale):
-    """The façade's scaler under DeepSpeed fp16: the engine scales the loss and keeps the scale.
-
-    ``scale`` is 1.0, so the façade multiplies the loss by nothing and its boundary factor
-    holds no unscaling; ``enabled`` keeps fp16's item hint (summed losses divided by the usual
-    item count, so they stay in fp16's range). ``acc.loss_scale`` reads the engine's scale
-    through ``Strategy.loss_scale``. ``state_dict`` / ``load_state_dict`` read and write the
-    engine's ``DynamicLossScaler`` in ``DynamicLossScale``'s form (``deepspeed_state``), so the
-    scale, its clean-step count and hysteresis budget carry across strategies; before an engine
-    exists they are the configured scaler's.
-    """
-
-    enabled = True
-
-    def __init__(self, configured: DynamicLossScale, engines: list[Any]) -> None:
-        self._configured = configured
-        self._engines = engines
-
-    def _engine_scaler(self) -> Any:
-        scaler = getattr(self._engines[0].optimizer, "loss_scaler", None) if (
-            self._engines) else None
-        return scaler if hasattr(scaler, "cur_hysteresis") else None
-
-    def state_dict(self) -> dict[str, Any]:
-        scaler = self._engine_scaler()
-        if scaler is None:
-            return self._configured.state_dict()
-        return deepspeed_state.scaler_state(scaler)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        scaler = self._engine_scaler()
-        if scaler is None:
-            self._configured.load_state_dict(state)
-        else:
-            deepspeed_state.load_scaler_state(scaler, state)
 
 
 # -- the strategy ----------------------------------------------------------------------------
@@ -202,7 +167,6 @@ class DeepSpeedStrategy(Strategy):
                 f"same acc.setup call; got {len(optimizers)}"
             )
         assert self.policy is not None
-        deepspeed = import_deepspeed()
         config = deepspeed_config(
             stage=self.stage, grad_accum_steps=self.grad_accum_steps,
             micro_batch_size=self.micro_batch_size, dp_world_size=self.dp_world_size,
@@ -223,16 +187,7 @@ class DeepSpeedStrategy(Strategy):
         make_parameters_contiguous_(model)  # channels_last: DeepSpeed flattens parameters
         if self.policy.half_dtype is not None:
             float32_norm_forward(model)  # the engine stores them in half, beside fp32 buffers
-        try:
-            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers[0],
-                                              config=config)
-        except ValueError as exc:
-            if "fp16 is not supported" in str(exc):
-                raise ConfigError(
-                    f"precision='fp16-mixed' with strategy='deepspeed': DeepSpeed has no fp16 on "
-                    f"{self.device} ({exc}); use precision='bf16-mixed'"
-                ) from exc
-            raise
+        engine = initialize(model, optimizers[0], config, self.device)
         engine.set_gradient_accumulation_boundary(True)
         if self._distributed:
             agree_buffers_after_forward(engine, engine.module, self.broadcast)
@@ -244,14 +199,7 @@ class DeepSpeedStrategy(Strategy):
         return engine, optimizers
 
     def _ensure_process_group(self) -> None:
-        # DeepSpeed's comm layer wraps torch.distributed's default group; one process launched
-        # without torchrun has none, so a one-rank group on an in-memory store stands in.
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            self._owns_group = True
-        # DeepSpeed asserts LOCAL_RANK is set; accumix may have found it elsewhere (SLURM, MPI).
-        os.environ.setdefault("LOCAL_RANK", str(self.launch.local_rank))
+        self._owns_group |= ensure_process_group(self.device, self.launch.local_rank)
 
     def setup_late_optimizer(self, optimizer: Optimizer) -> Optimizer:
         raise ConfigError("strategy='deepspeed' builds the engine from the model and its "
@@ -340,23 +288,8 @@ class DeepSpeedStrategy(Strategy):
                         ) -> torch.Tensor:
         """The true norm of every gradient the engine holds (``params`` cannot pick a subset:
         the partitions are flat), from the still-scaled partitions; clips them in place."""
-        grads = [g.detach() for g in self.local_grads()]
-        device = grads[0].device if grads else self.device
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else (
-                torch.zeros((), device=device))
-            total = self.all_reduce(local.reshape(1), "max")[0]
-        else:
-            local = sum((torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
-                         for g in grads), torch.zeros((), device=device))
-            total = self.all_reduce(local.reshape(1), "sum")[0] ** (1.0 / norm_type)
-        scale = self.loss_scale or 1.0
-        norm = total / scale
-        if grads:  # clipping the scaled partitions = clipping the true ones; no host sync
-            coef = max_norm / (norm + 1e-6)
-            # A NaN norm (fp16 overflow) leaves the partitions for the engine's own check.
-            torch._foreach_mul_(grads, torch.where(coef < 1, coef, torch.ones_like(coef)))
-        return norm
+        return clip_partitions_(self.local_grads(), max_norm, norm_type, all_reduce=self.all_reduce,
+                                loss_scale=self.loss_scale, device=self.device)
 
     def optimizer_step(self, optimizer: Optimizer, *, skip: bool, closure: Any = None) -> bool:
         if closure is not None:
@@ -450,14 +383,7 @@ class DeepSpeedStrategy(Strategy):
         self._groups.clear()
         self._stepped.clear()
         self._unstepped.clear()
-        # DeepSpeed caches a clone of the world group per process; the Accelerator may destroy
-        # the world next, and an engine built later (a new Accelerator) must not use the stale
-        # clone. deepspeed.comm.destroy_process_group does the same release.
-        from deepspeed.utils import groups
-
-        release = getattr(groups, "_release_process_group_references", None)
-        if release is not None:
-            release()
+        release_group_references()  # DeepSpeed's cached clone of the world group
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

@@ -1,16 +1,23 @@
 """The DeepSpeed engine's internals that accumix reaches into, and the quirks it works around
-(DeepSpeed 0.19): the boundary flag, where the gradient partitions live, ZeRO-3's leftover
-partitions, the ZeRO loss-scale update order, the CPU comm kernel it need not build."""
+(DeepSpeed 0.19): the boundary flag, where the gradient partitions live (and clipping them),
+ZeRO-3's leftover partitions, the ZeRO loss-scale update order, the CPU comm kernel it need not
+build, the process group it needs and the clone of it it caches, building the engine."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
 
 from accumix.errors import ConfigError
+from accumix.strategies.deepspeed_config import import_deepspeed
 
 
 @contextlib.contextmanager
@@ -85,3 +92,74 @@ def defer_scale_update(optimizer: Any) -> Callable[[], None]:
             update(pending.pop(0))
 
     return apply
+
+
+def ensure_process_group(device: torch.device, local_rank: int) -> bool:
+    """A one-rank default group where none exists, and ``LOCAL_RANK`` set for DeepSpeed.
+
+    Returns:
+        Whether it created the group (its owner destroys it at teardown).
+    """
+    created = False
+    # DeepSpeed's comm layer wraps torch.distributed's default group; one process launched
+    # without torchrun has none, so a one-rank group on an in-memory store stands in.
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        created = True
+    # DeepSpeed asserts LOCAL_RANK is set; accumix may have found it elsewhere (SLURM, MPI).
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    return created
+
+
+def initialize(model: nn.Module, optimizer: Optimizer, config: dict[str, Any],
+               device: torch.device) -> Any:
+    """``deepspeed.initialize``'s engine; DeepSpeed's "fp16 is not supported" is a ConfigError."""
+    deepspeed = import_deepspeed()
+    try:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                          config=config)
+    except ValueError as exc:
+        if "fp16 is not supported" in str(exc):
+            raise ConfigError(
+                f"precision='fp16-mixed' with strategy='deepspeed': DeepSpeed has no fp16 on "
+                f"{device} ({exc}); use precision='bf16-mixed'"
+            ) from exc
+        raise
+    return engine
+
+
+def clip_partitions_(grads: list[torch.Tensor], max_norm: float, norm_type: float, *,
+                     all_reduce: Callable[[torch.Tensor, str], torch.Tensor],
+                     loss_scale: float | None, device: torch.device) -> torch.Tensor:
+    """The true norm of the still-scaled gradient partitions (all-reduced, divided by the loss
+    scale); clips the partitions in place, so the engine's unscaling gives clipped gradients."""
+    grads = [g.detach() for g in grads]
+    device = grads[0].device if grads else device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else (
+            torch.zeros((), device=device))
+        total = all_reduce(local.reshape(1), "max")[0]
+    else:
+        local = sum((torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
+                     for g in grads), torch.zeros((), device=device))
+        total = all_reduce(local.reshape(1), "sum")[0] ** (1.0 / norm_type)
+    scale = loss_scale or 1.0
+    norm = total / scale
+    if grads:  # clipping the scaled partitions = clipping the true ones; no host sync
+        coef = max_norm / (norm + 1e-6)
+        # A NaN norm (fp16 overflow) leaves the partitions for the engine's own check.
+        torch._foreach_mul_(grads, torch.where(coef < 1, coef, torch.ones_like(coef)))
+    return norm
+
+
+def release_group_references() -> None:
+    """Drops DeepSpeed's per-process clone of the world group (after the engines are gone)."""
+    # DeepSpeed caches a clone of the world group per process; the Accelerator may destroy
+    # the world next, and an engine built later (a new Accelerator) must not use the stale
+    # clone. deepspeed.comm.destroy_process_group does the same release.
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release()
