@@ -12,25 +12,47 @@ leaf's elements and s(n) its shard:
     optimizer       opt            opt/D          opt/D               opt/D
     accumulators    4*n            4*n            4*n                 4*s(n)
     reduced grads   4*n            4*n            0 (in place)        0 (the accumulators)
-    in flight       4*max(n) when c < 4           4*max(n)            4*max(n)  (one leaf, float32)
+    in flight       4*max(n) (a)   0              4*max(n)            4*max(n)  (one leaf, float32)
     compute copy    c*n            c*n            c*s(n)              c*s(n)     (mixed only)
-    gathered        0              0              (g+c')*max(n)        (g+c')*max(n)
+    gathered        0              0              see (b)             see (b)
+    shard in use    0              0              4*max(s) fp32 only  4*max(s)
+    saved shards    0              0              c*s(n) (c)          c*s(n) (c)
     fp16 skip       0              opt/D          opt/D               4*s(n)     (fp16-mixed only)
     carried         b*m            b*m            b*s(m) + b*m        b*s(m) + b*m
     + the window's bytes on the device + activations (the caller's, or the compiled step's:
       ``accumix.jax.compiled_memory``)
 
-p stored param bytes, c compute bytes, g the bytes XLA gathers in (the compute dtype; float32 on
-a CPU, whose float normalization gathers 16-bit arrays in float32), c' = c where g != c (the
-cast copy), else 0; the optimizer state is sized on the stored dtype (bf16-true: bfloat16
-moments). The gathered term is what the compiled step holds: ``accumix.jax.per_use`` gathers
-each leaf at each use and re-gathers it in that use's backward, so one leaf's gathered copy (the
-largest sharded leaf) is alive at a time. Only float leaves train (``accumix.jax.trainable``): a
-carried leaf (an integer counter, a PRNG key) of m elements of b bytes is held once, with no
-gradient and no optimizer state (fsdp: its shard at rest plus the plain gather of sharded ones).
+p stored param bytes, c compute bytes, g the bytes XLA gathers a float32 copy in (float32 on a
+CPU), c' = c where g != c, else 0; max(s) the largest sharded leaf's shard; the optimizer state
+is sized on the stored dtype (bf16-true: bfloat16 moments). Every term below was measured
+against ``memory_analysis()`` with ``tests/scripts/jax_fsdp_memory.py`` (2 and 8 layers, 2 and
+4 devices, every precision) and read off XLA's buffer assignment (``--xla_dump_to``):
+
+(a) in flight: one leaf's float32 gradient before it joins its accumulator. fsdp: always (on
+    its way to the reduce-scatter); single/ddp: bf16-true only (its bf16 gradient cast); under a
+    mixed policy the cast fuses with the accumulate (measured, within 1% without it).
+(b) gathered: ``accumix.jax.per_use`` gathers each leaf at each use and re-gathers it in that
+    use's backward, so one leaf's gathered copy (the largest sharded leaf) is alive at a time.
+    fp32 (and fp16-mixed with sync_each_microstep, whose skip keeps both): (g+c')*max(n)
+    beside the gradient in flight. 16-bit compute otherwise: c*max(n), gathered in the
+    compute dtype (``per_use`` casts before the gather); its float32 upcast for the CPU's dot
+    shares the in-flight gradient's buffer.
+    A lone sharded leaf: its gathered copy and its gradient share one buffer (its use's
+    backward re-gathers nothing beside the gradient): (b) less the in-flight term, at least 0.
+(c) saved shards (bf16-mixed, bf16-true; measured, 2 bytes per shard element per layer):
+    each use saves the 16-bit shard its backward re-gathers from, alive until that backward.
+    fp16-mixed's peak is the update (the skip select below), where these are dead.
+shard in use: one float32 shard of the largest leaf. fp32: the gather's input, a copy of the
+shard that ``per_use`` computes after the layer's activation (16-bit: the c-byte cast, which
+XLA put in a donated argument's buffer in every measured job); sync_each_microstep: the
+reduce-scattered micro-step gradient before it joins its accumulator.
 fp16 skip is measured: the loss scale's select between the old and the new sharded state holds
 the new optimizer state (zero1, fsdp) or a copy of the sharded accumulators
-(sync_each_microstep) until the global overflow check is known.
+(sync_each_microstep) until the global overflow check is known; ddp's fuses with its update
+(ddp fp16-mixed is the model's lowest row: 0.91 of the step at 2 layers, 0.93 at 8).
+Only float leaves train (``accumix.jax.trainable``): a carried leaf (an integer counter, a PRNG
+key) of m elements of b bytes is held once, with no gradient and no optimizer state (fsdp: its
+shard at rest plus the plain gather of sharded ones).
 """
 
 from __future__ import annotations
@@ -151,9 +173,10 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
                                if fsdp and shard_dim(s, d) is not None)
         params_bytes = p * (shard if fsdp else full) + carried_rest
         optimizer_bytes = opt_full if name in ("single", "ddp") else opt_shard
-        # One leaf's float32 gradient in flight (cast from a 16-bit compute dtype, bf16-true's
-        # too, or on its way to a reduce-scatter) before it joins its accumulator.
-        in_flight = 4 * largest if (fsdp or c != 4) else 0
+        # One leaf's float32 gradient in flight before it joins its accumulator (measured):
+        # fsdp's, on its way to the reduce-scatter; bf16-true's cast on single/ddp. Under a
+        # mixed policy the cast fuses with the accumulate (single/ddp/zero1: within 1%).
+        in_flight = 4 * largest if (fsdp or (c != 4 and not mixed and name != "zero1")) else 0
         if name == "fsdp-sync":
             grads = 4 * shard + in_flight
         elif fsdp:  # the window's reduce-scatter writes over the accumulators
@@ -164,11 +187,33 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
             # Measured (Adam, 2 and 4 devices): the loss scale's skip selects between the old
             # and the new sharded state once the global overflow check is known; XLA holds the
             # new optimizer state beside the old (a copy of the sharded accumulators with
-            # sync_each_microstep). ddp's update fuses with the select (within 5% without).
+            # sync_each_microstep). ddp's update fuses with the select (within 9% without).
             grads += 4 * shard if name == "fsdp-sync" else opt_shard
-        # On a CPU a 16-bit leaf is gathered in float32 (g), then cast: both copies at its use.
-        gathered = (g + (c if g != c else 0)) * gathered
-        working = (c * (shard if fsdp else full) if mixed else 0) + (gathered if fsdp else 0)
+        sharded = [s for s in leaves if shard_dim(s, d) is not None]
+        big_shard = max((_shard(s, d) for s in sharded), default=0)
+        # Measured: one float32 shard of the largest leaf. fp32: the gather's input, which
+        # per_use computes after the layer's activation (a copy of the shard); 16-bit: the
+        # cast shard, which XLA put in a donated argument's buffer in every measured job.
+        # sync_each_microstep: the reduce-scattered micro-step gradient before it is added.
+        scattered = 4 * big_shard if (c == 4 or name == "fsdp-sync") else 0
+        if c == 4 or (name == "fsdp-sync" and precision == "fp16-mixed"):
+            # The gathered leaf beside the gradient in flight (16-bit on a CPU: gathered in
+            # float32, then cast; fp16 sync_each_microstep's skip keeps both).
+            gathered = (g + (c if g != c else 0)) * gathered
+        else:
+            # Measured (fsdp, 16-bit compute): the leaf is gathered in the compute dtype and
+            # its float32 upcast shares the in-flight gradient's buffer.
+            gathered = c * gathered
+        if len(sharded) == 1:
+            # A lone sharded leaf (measured, tests/unit/test_jax_memory.py): its gathered
+            # copy and its gradient share one buffer (no re-gather beside the gradient).
+            gathered = max(gathered - in_flight, 0)
+        gathered += scattered
+        # 16-bit compute (not fp16-mixed, whose peak is the update's skip select, when these
+        # are dead): each sharded leaf's 16-bit shard that its use saves for the re-gather.
+        saved = c * shard if (fsdp and c != 4 and precision != "fp16-mixed") else 0
+        working = (c * (shard if fsdp else full) if mixed else 0) + (
+            gathered + saved if fsdp else 0)
         working += carried_gathered
         other = window_bytes // d + (activation_bytes.get(name, 0) if isinstance(
             activation_bytes, Mapping) else activation_bytes)
