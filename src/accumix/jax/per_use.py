@@ -260,13 +260,17 @@ def _after(shards: list[jax.Array], anchors: Any) -> list[jax.Array]:
     exists nor merged with another gather of the same shard. ``optimization_barrier`` would say
     the same, but XLA's CPU pipeline removes barriers before CSE and scheduling. The added zero
     is +0 whatever the anchor holds (an infinite or NaN element, as a masked score has, is
-    selected away), ``s - (+0)`` is ``s`` bit for bit, signed zeros included, and XLA folds
-    neither the product with 0 nor the select.
+    selected away; an integer at its minimum is cast before its abs), ``s - (+0)`` is ``s``
+    bit for bit, signed zeros included, and XLA folds neither the product with 0 nor the
+    select.
     """
     arrays = [a for a in jax.tree.leaves(anchors) if jnp.size(a) and _numeric(a)]
     if not arrays:
         return shards
-    v = jnp.abs(jnp.ravel(max(arrays, key=jnp.size))[0]).astype(jnp.float32)
+    # Cast before abs: an integer's abs overflows at its minimum (abs(int8 -128) is -128),
+    # and a negative v would make the zero -0, turning a -0 parameter into +0.
+    first = jnp.ravel(max(arrays, key=jnp.size))[0]
+    v = jnp.abs(first.astype(jnp.result_type(first, jnp.float32))).astype(jnp.float32)
     zero = jnp.where(v < jnp.inf, v * 0, 0.0)
     return [s - zero.astype(s.dtype) for s in shards]
 
