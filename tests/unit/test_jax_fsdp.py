@@ -233,3 +233,38 @@ def test_the_ordering_zero_keeps_every_parameter_bit() -> None:
             out = jax.jit(_after)([jnp.asarray(shard, dtype)], [jnp.asarray(anchor)])[0]
             want = np.asarray(jnp.asarray(shard, dtype)).view(np.uint8)
             assert (np.asarray(out).view(np.uint8) == want).all(), (anchor, dtype, out)
+
+
+def test_a_stacked_per_layer_scalar_keeps_the_scan_per_iteration() -> None:
+    """A scan over stacked layers that also takes a stack of per-layer scalars (a ReZero gain,
+    shape (L,): sharded on the stacking axis, so not sliceable): the scalars are gathered whole
+    before the scan and the kernels still per iteration. Before, that one small leaf made the
+    whole scan one use, every kernel gathered whole: the synced mode held more than ddp."""
+    import numpy as np
+    import optax
+    jnp = jax.numpy
+    layers, width = 4, 128
+    rng = np.random.default_rng(0)
+    params = {"stack": (rng.normal(size=(layers, width, width)) * 0.05).astype(np.float32),
+              "gain": np.linspace(0.2, 0.8, layers).astype(np.float32)}
+
+    def loss(p, batch, key):
+        body = lambda h, wg: (h + wg[1] * jnp.tanh(h @ wg[0]), None)  # noqa: E731
+        h, _ = jax.lax.scan(body, batch["x"], (p["stack"], p["gain"]))
+        return jnp.mean((h.sum(-1) - batch["y"]) ** 2)
+
+    data = np.random.default_rng(1)
+    window = [{"x": data.normal(size=(4, width)).astype(np.float32),
+               "y": data.normal(size=(4,)).astype(np.float32)} for _ in range(K)]
+    held, ends = {}, {}
+    for name, strategy in (("ddp", "ddp"), ("sync", axj.FSDPStrategy(sync_each_microstep=True))):
+        acc = axj.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=K)
+        state = acc.setup(params, optax.sgd(0.01))
+        step = acc.train_step(loss)
+        memory = step.lower(state, acc.window(window)).compile().memory_analysis()
+        held[name] = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+        ends[name], _ = step(state, acc.window(window))
+    assert ends["sync"].params["gain"].sharding.spec == jax.sharding.PartitionSpec("data")
+    assert w.max_diff(ends["sync"].params, ends["ddp"].params) < 1e-6
+    # 2 devices, 4 layers of 128x128: 1.37x of ddp before, 0.81x now (4 devices: 1.20x, 0.42x).
+    assert held["sync"] <= 0.90 * held["ddp"], held
