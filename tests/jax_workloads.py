@@ -98,5 +98,14 @@ def mean_of_means(windows, params=None):
 def max_diff(a, b) -> float:
     """The largest absolute difference; NaN when any element differs by NaN (in numpy: XLA's
     CPU max skips NaN, and Python's ``max`` keeps an earlier finite value over a later NaN)."""
-    return float(np.max([np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)))
+    return float(np.max([np.max(np.abs(_host(x) - _host(y)))
                          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]))
+
+
+def _host(x) -> np.ndarray:
+    """``x`` as float32 numpy; an array spanning other processes' devices is gathered first
+    (collective: every process calls ``max_diff`` on the same leaves)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x, np.float32)

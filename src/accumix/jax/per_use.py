@@ -24,9 +24,11 @@ parameter flows into it), and inside a ``lax.scan`` over stacked layers: a stack
 the scan takes as an ``xs`` (sharded on another axis than the stacking one) is sliced, shard
 and accumulator tap alike, and each slice gathered at its uses in the body, per iteration.
 Not per layer: a parameter that a scan takes as a constant or carry (or sharded on the
-stacking axis), or that a ``while``/``cond`` body or a ``custom_jvp``/``custom_vjp`` function
-uses: that whole equation is the "use" (gathered once for it, the leaf's full copy alive while
-it runs, and the equation recomputed in the backward). A parameter that ``loss_fn`` returns is
+stacking axis) is gathered whole before the scan (its other, stacked params still per
+iteration; a scan with none is one use, as below); a parameter that a ``while``/``cond`` body
+or a ``custom_jvp``/``custom_vjp`` function uses: that whole equation is the "use" (gathered
+once for it, the leaf's full copy alive while it runs, and the equation recomputed in the
+backward). A parameter that ``loss_fn`` returns is
 gathered like the strategy's other leaves.
 """
 
@@ -135,16 +137,25 @@ class _Run:
         return [self.materialize(x) if isinstance(x, _Param) else x
                 for x in (read(v) for v in jaxpr.outvars)]
 
-    def _scannable(self, eqn: Any, ins: list[Any]) -> bool:
-        """Whether each param ``eqn`` (a scan) takes is a stacked leaf scanned over (an
-        ``xs``, unsharded on its leading axis): gathered per iteration inside the body."""
+    def _sliced(self, eqn: Any, i: int, x: Any) -> bool:
+        """Whether input ``i`` of ``eqn`` (a scan) is a stacked leaf scanned over (an ``xs``,
+        unsharded on its leading axis): gathered per iteration inside the body."""
         start = eqn.params["num_consts"] + eqn.params["num_carry"]
-        return all(i >= start and not x.chain and self.leaves[x.index].dim > 0
-                   for i, x in enumerate(ins) if isinstance(x, _Param))
+        return (isinstance(x, _Param) and i >= start and not x.chain
+                and self.leaves[x.index].dim > 0)
+
+    def _scannable(self, eqn: Any, ins: list[Any]) -> bool:
+        """Whether any param ``eqn`` (a scan) takes is gathered per iteration."""
+        return any(self._sliced(eqn, i, x) for i, x in enumerate(ins))
 
     def scan(self, eqn: Any, ins: list[Any]) -> list[Any]:
         """A scan whose stacked params are sliced (shard and tap) per iteration, and each
-        slice gathered at its uses in the body."""
+        slice gathered at its uses in the body. Its other params (a constant, a carry, an
+        ``xs`` sharded on the stacking axis, as a stack of per-layer scalars is) are gathered
+        whole before it: the sliced ones stay per iteration (before, one such leaf made the
+        whole scan one use, every stacked leaf gathered whole)."""
+        ins = [self.materialize(x) if isinstance(x, _Param) and not self._sliced(eqn, i, x)
+               else x for i, x in enumerate(ins)]
         params = eqn.params
         nc, ncarry = params["num_consts"], params["num_carry"]
         body = params["jaxpr"]
@@ -260,13 +271,17 @@ def _after(shards: list[jax.Array], anchors: Any) -> list[jax.Array]:
     exists nor merged with another gather of the same shard. ``optimization_barrier`` would say
     the same, but XLA's CPU pipeline removes barriers before CSE and scheduling. The added zero
     is +0 whatever the anchor holds (an infinite or NaN element, as a masked score has, is
-    selected away), ``s - (+0)`` is ``s`` bit for bit, signed zeros included, and XLA folds
-    neither the product with 0 nor the select.
+    selected away; an integer at its minimum is cast before its abs), ``s - (+0)`` is ``s``
+    bit for bit, signed zeros included, and XLA folds neither the product with 0 nor the
+    select.
     """
     arrays = [a for a in jax.tree.leaves(anchors) if jnp.size(a) and _numeric(a)]
     if not arrays:
         return shards
-    v = jnp.abs(jnp.ravel(max(arrays, key=jnp.size))[0]).astype(jnp.float32)
+    # Cast before abs: an integer's abs overflows at its minimum (abs(int8 -128) is -128),
+    # and a negative v would make the zero -0, turning a -0 parameter into +0.
+    first = jnp.ravel(max(arrays, key=jnp.size))[0]
+    v = jnp.abs(first.astype(jnp.result_type(first, jnp.float32))).astype(jnp.float32)
     zero = jnp.where(v < jnp.inf, v * 0, 0.0)
     return [s - zero.astype(s.dtype) for s in shards]
 
