@@ -214,7 +214,8 @@ def test_auto_chooses_under_memory_limit_equals_the_explicit_run_and_caches(
     """``micro_batch_size=auto`` with a memory_limit between the compiled peaks of 4 and 8 rows
     (2 devices: candidates 2, 4, 8, 16) chooses 4, says so in the torch recipe's one line,
     trains bitwise as ``micro_batch_size=4`` does; the restart with the same settings reads the
-    run directory's cache and compiles no probe."""
+    run directory's cache and compiles no probe; ``accumix estimate-memory`` shows the same
+    choice (2 rows per device) without training."""
     import json
     import logging
 
@@ -255,6 +256,9 @@ def test_auto_chooses_under_memory_limit_equals_the_explicit_run_and_caches(
     assert said[0].startswith("micro_batch_size=auto chose 4 (K=4 on 1 rank, global 16): peak ")
     assert said[1] == (f"micro_batch_size=auto chose 4 (K=4 on 1 rank, global 16) (cached in "
                        f"{tmp_path / 'auto'})") and len(said) == 2, said
+    assert main(["estimate-memory", *TINY, *auto, "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert said[0] in out.splitlines() and "micro batch 2 x 32 tokens per device, K=4" in out
     assert probes >= 2 and 8 in compiled[:probes] and len(compiled) == probes  # none again
     assert [json.loads((tmp_path / "auto" / CACHE_FILE).read_text())[k]["micro_batch_size"]
             for k in json.loads((tmp_path / "auto" / CACHE_FILE).read_text())] == [4]

@@ -125,8 +125,32 @@ def worst_batch(model: GPTConfig, rows: int) -> dict[str, Any]:
     return padded_collate(full * rows, length=model.block_size, rows=rows)
 
 
-def set_up(acc: Any, config: TrainConfig, params: Any, loss_fn: Any,
-           documents: int) -> tuple[Any, int, Any]:
+def check_auto(config: TrainConfig) -> None:
+    """Refuses ``micro_batch_size=auto`` where the probe would have no limit to fit under,
+    before anything is set up.
+
+    Raises:
+        ConfigError: the device reports no memory size and no ``memory_limit`` is given.
+    """
+    from accumix.jax.micro_batch import device_total_bytes
+
+    if config.memory_limit is None and device_total_bytes() is None:
+        raise ConfigError("micro_batch_size=auto: this device (backend=jax) reports no memory "
+                          "size; pass memory_limit= in bytes, e.g. memory_limit=2000000000")
+
+
+def choose_micro_batch(acc: Any, config: TrainConfig, state: Any, *, cache: bool = True) -> int:
+    """``micro_batch_size=auto``: the largest micro batch whose compiled window step fits
+    ``memory_limit`` with ``block_size``-token rows (the longest the data gives), agreed by
+    every process, said in one line; cached in the run directory when ``cache``."""
+    check_auto(config)
+    return acc.find_micro_batch_size(state, make_loss_fn(config.model),
+                                     partial(worst_batch, config.model),
+                                     clip_norm=config.grad_clip,
+                                     run_dir=config.run_dir if cache else None)
+
+
+def set_up(acc: Any, config: TrainConfig, params: Any, documents: int) -> tuple[Any, int, Any]:
     """The set-up state, the micro batch and the LR table's reader.
 
     Under ``micro_batch_size=auto`` the state is set up first and the micro batch chosen from
@@ -141,17 +165,12 @@ def set_up(acc: Any, config: TrainConfig, params: Any, loss_fn: Any,
         total = total_steps(config, documents, world, acc.grad_accum_steps, micro)
         tx, lr_at = optimizer_and_schedule(config, params, total, global_batch)
         return acc.setup(params, tx), micro, lr_at
-    from accumix.jax.micro_batch import device_total_bytes
-
-    if config.memory_limit is None and device_total_bytes() is None:  # said before any setup
-        raise ConfigError("micro_batch_size=auto: this device (backend=jax) reports no memory "
-                          "size; pass memory_limit= in bytes, e.g. memory_limit=2000000000")
+    check_auto(config)  # before the setup's lines, so the error is the only one
     # Any K fits the schedule the probe compiles with: only its values depend on the choice.
     probed = total_steps(config, documents, world, global_batch // world, 1)
     tx, lr_at = optimizer_and_schedule(config, params, probed, global_batch)
     state = acc.setup(params, tx)
-    micro = acc.find_micro_batch_size(state, loss_fn, partial(worst_batch, config.model),
-                                      clip_norm=config.grad_clip, run_dir=config.run_dir)
+    micro = choose_micro_batch(acc, config, state)
     total = total_steps(config, documents, world, acc.grad_accum_steps, micro)
     if total != probed:
         del state  # freed before the second setup: never two states on the device
@@ -175,7 +194,7 @@ def run(config: TrainConfig) -> int:
     model_cfg = config.model
     loss_fn = make_loss_fn(model_cfg)
     params = initial_params(config)
-    state, micro, lr_at = set_up(acc, config, params, loss_fn, len(train))
+    state, micro, lr_at = set_up(acc, config, params, len(train))
     collate = partial(padded_collate, length=model_cfg.block_size, rows=micro)
     windows = acc.setup_loader(DataLoader(train, batch_size=micro, shuffle=True,
                                           collate_fn=collate))
