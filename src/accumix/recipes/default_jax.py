@@ -154,28 +154,21 @@ def set_up(acc: Any, config: TrainConfig, params: Any, documents: int) -> tuple[
     """The set-up state, the micro batch and the LR table's reader.
 
     Under ``micro_batch_size=auto`` the state is set up first and the micro batch chosen from
-    its compiled window step (``acc.find_micro_batch_size`` with ``block_size``-token rows and
-    ``memory_limit``), cached in the run directory. The schedule's length can depend on the
-    choice (``max_epochs``): when it does, the optimizer is rebuilt and the state set up again
-    (the probe only compiled, so the new state is the one an explicit run starts from).
+    its compiled window step (``choose_micro_batch``), cached in the run directory; the probe
+    only compiles, so the state is the one an explicit run starts from.
     """
     global_batch, world = config.global_batch_size, acc.world_size
     micro = config.micro_batch_size
-    if micro != "auto":
-        total = total_steps(config, documents, world, acc.grad_accum_steps, micro)
-        tx, lr_at = optimizer_and_schedule(config, params, total, global_batch)
-        return acc.setup(params, tx), micro, lr_at
-    check_auto(config)  # before the setup's lines, so the error is the only one
-    # Any K fits the schedule the probe compiles with: only its values depend on the choice.
-    probed = total_steps(config, documents, world, global_batch // world, 1)
-    tx, lr_at = optimizer_and_schedule(config, params, probed, global_batch)
+    if micro == "auto":
+        check_auto(config)  # before the setup's lines, so the error is the only one
+    # The schedule's length does not depend on the micro batch: an epoch's windows are
+    # ceil(ceil(documents / world) / micro) / K rounded up = ceil(ceil(documents / world) /
+    # (global / world)), so a schedule built before the choice is the explicit run's.
+    total = total_steps(config, documents, world, global_batch // world, 1)
+    tx, lr_at = optimizer_and_schedule(config, params, total, global_batch)
     state = acc.setup(params, tx)
-    micro = choose_micro_batch(acc, config, state)
-    total = total_steps(config, documents, world, acc.grad_accum_steps, micro)
-    if total != probed:
-        del state  # freed before the second setup: never two states on the device
-        tx, lr_at = optimizer_and_schedule(config, params, total, global_batch)
-        state = acc.setup(params, tx)
+    if micro == "auto":
+        micro = choose_micro_batch(acc, config, state)
     return state, micro, lr_at
 
 
