@@ -264,3 +264,33 @@ def test_auto_chooses_under_memory_limit_equals_the_explicit_run_and_caches(
             for k in json.loads((tmp_path / "auto" / CACHE_FILE).read_text())] == [4]
     assert [int(r["step"]) for r in rows(tmp_path / "auto")] == [1, 2, 3, 4]
 
+
+
+def test_auto_elastic_restart_on_two_processes_chooses_again(tmp_path) -> None:
+    """One process chooses 16 (K=1) and checkpoints; the restart on 2 processes keeps global
+    16, finds no answer for its world in the cache, chooses again (agreed: 8 each) and goes on
+    from step 1; the run directory then holds both answers."""
+    import json
+    import os
+
+    from accumix.micro_batch_cache import CACHE_FILE
+
+    tiny = [a for a in TINY if not a.startswith(("micro_batch_size", "nproc", "sample"))]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "XLA_FLAGS")}
+    lines = []
+    for steps, nproc in ((1, 1), (2, 2)):
+        done = subprocess.run(
+            [sys.executable, "-m", "accumix.cli.main", "train", *tiny, "backend=jax",
+             "micro_batch_size=auto", f"memory_limit={10**9}", "sample.max_new_tokens=0",
+             "plot=false", "eval_every=null", f"max_steps={steps}", f"checkpoint_every={steps}",
+             f"nproc={nproc}", f"output_dir={tmp_path}"],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines += [x for x in done.stderr.splitlines() if "micro_batch_size=auto chose" in x]
+    assert "micro_batch_size=auto chose 16 (K=1 on 1 rank, global 16): peak" in lines[0]
+    assert "micro_batch_size=auto chose 8 (K=1 on 2 ranks, global 16): peak" in lines[1]
+    assert len(lines) == 2, lines
+    assert sorted(v["micro_batch_size"] for v in json.loads(
+        (tmp_path / CACHE_FILE).read_text()).values()) == [8, 16]
+    assert [int(r["step"]) for r in rows(tmp_path)] == [1, 2]
