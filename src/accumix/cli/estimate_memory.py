@@ -240,7 +240,9 @@ def _probe_jax_recipe(config: Any, optimizer: Any) -> int:
                           memory_limit=config.memory_limit, seed=config.seed)
     state = acc.setup(gpt_jax.init_params(config.model), optimizer)
     micro = default_jax.choose_micro_batch(acc, config, state, cache=False)
-    print(acc._micro_batch_choice.describe())  # the command's output (the log: stderr)
+    choice = acc.micro_batch_choice
+    assert choice is not None
+    print(choice.describe())  # the command's output (the log line goes to stderr)
     return micro // acc.local_devices
 
 

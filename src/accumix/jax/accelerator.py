@@ -42,6 +42,7 @@ from accumix.jax.strategies import JaxStrategy, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
 from accumix.micro_batch_search import (
     DEFAULT_HEADROOM,
+    MicroBatchChoice,
     check_micro_batch_word,
     is_auto,
     parse_memory_limit,
@@ -250,6 +251,11 @@ class Accelerator:
         self._batch_sizes = (self._batch_sizes[0], self._batch_sizes[1], choice.micro_batch_size)
         self._grad_accum_steps = choice.grad_accum_steps
         return choice.micro_batch_size
+
+    @property
+    def micro_batch_choice(self) -> MicroBatchChoice | None:
+        """What ``micro_batch_size="auto"`` chose and why (None before, or without auto)."""
+        return getattr(self, "_micro_batch_choice", None)
 
     def setup_loader(self, loader: Any) -> WindowLoader:
         """A torch ``DataLoader`` as windows of K batches (``setup``'s third argument, for a
