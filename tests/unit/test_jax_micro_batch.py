@@ -103,3 +103,26 @@ def test_bad_input_is_one_line() -> None:
         acc.find_micro_batch_size(state, w.item_loss, _rows)
     with pytest.raises(ConfigError, match="find_micro_batch_size"):
         acc.setup_loader(__import__("torch").utils.data.DataLoader(range(8), batch_size=2))
+
+
+def test_cache_key_changes_with_the_world_and_not_otherwise() -> None:
+    """The run directory's answer is keyed by what it depends on: a restart on another number
+    of processes (or devices, limit, headroom) chooses again; the same settings reuse it."""
+    from types import SimpleNamespace
+
+    from accumix.jax.micro_batch import cache_key
+
+    acc, state = _auto(10**9)
+
+    def key(**changed: object) -> str:
+        fake = SimpleNamespace(**{"world_size": acc.world_size, "num_devices": acc.num_devices,
+                                  "policy": acc.policy, "strategy": acc.strategy,
+                                  "_batch_sizes": acc._batch_sizes,
+                                  "_memory_limit": acc._memory_limit, **changed})
+        return cache_key(fake, state, _rows, clip_norm=1.0, headroom=0.1)
+
+    same = key()
+    assert same == cache_key(acc, state, _rows, clip_norm=1.0, headroom=0.1)
+    others = [key(world_size=2), key(num_devices=4), key(_memory_limit=10**8),
+              cache_key(acc, state, _rows, clip_norm=1.0, headroom=0.2)]
+    assert len({same, *others}) == 5

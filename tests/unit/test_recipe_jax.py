@@ -115,6 +115,10 @@ def test_weights_cross_backends_with_the_same_validation_loss(tmp_path, capsys) 
     (["backend=tensorflow"], "backend='tensorflow' is invalid; use one of torch, jax"),
     (["backend=jax", "strategy=deepspeed"], "strategy='deepspeed' is a PyTorch engine"),
     (["init_from=/nonexistent/model.safetensors"], "is not a file"),
+    (["backend=jax", "nproc=1", "micro_batch_size=auto"],
+     "reports no memory size; pass memory_limit="),
+    (["backend=jax", "nproc=1", "micro_batch_size=auto", "memory_limit=90%"],
+     "memory_limit='90%' is a share of a total this device does not report; give bytes"),
 ])
 def test_bad_values_exit_2_with_one_line(args, message, capsys) -> None:
     assert main(["train", *args]) == 2
@@ -182,3 +186,111 @@ def test_sigterm_saves_at_the_next_read_and_exits_0(tmp_path, capsys) -> None:
     # Set while step 3's row was handed out, the flag is agreed at the next read (step 4): a
     # read's one gather comes before its rows, which carry every process's system metrics.
     assert (tmp_path / "latest").read_text().strip() == "step-4"
+
+
+def _recipe_peaks(sizes: list[int]) -> dict[int, int]:
+    """The recipe's compiled window step's bytes per device for each micro batch (TINY, fp32,
+    max_steps=3), as ``micro_batch_size=auto`` measures them (``block_size``-token rows)."""
+    from functools import partial
+
+    import accumix.jax as axj
+    from accumix.jax.micro_batch import window_peak_bytes
+    from accumix.recipes import default, default_jax
+    from accumix.trainer.config import load_config
+
+    config = load_config(default.TrainConfig, None, [*TINY, "max_steps=3"])
+    acc = axj.Accelerator(strategy=config.strategy, precision="fp32", global_batch_size=16,
+                          micro_batch_size="auto", memory_limit=10**9, seed=config.seed)
+    params = default_jax.initial_params(config)
+    tx, _ = default_jax.optimizer_and_schedule(config, params, 3, 16)
+    state = acc.setup(params, tx)
+    return {m: window_peak_bytes(acc, state, default_jax.make_loss_fn(config.model),
+                                 partial(default_jax.worst_batch, config.model), m,
+                                 clip_norm=config.grad_clip) for m in sizes}
+
+
+def test_auto_chooses_under_memory_limit_equals_the_explicit_run_and_caches(
+        tmp_path, capsys) -> None:
+    """``micro_batch_size=auto`` with a memory_limit between the compiled peaks of 4 and 8 rows
+    (2 devices: candidates 2, 4, 8, 16) chooses 4, says so in the torch recipe's one line,
+    trains bitwise as ``micro_batch_size=4`` does; the restart with the same settings reads the
+    run directory's cache and compiles no probe; ``accumix estimate-memory`` shows the same
+    choice (2 rows per device) without training."""
+    import json
+    import logging
+
+    from accumix.jax import micro_batch
+    from accumix.micro_batch_cache import CACHE_FILE
+    from accumix.micro_batch_search import DEFAULT_HEADROOM
+
+    peaks = _recipe_peaks([4, 8])
+    assert peaks[4] < peaks[8], peaks
+    limit = int((peaks[4] + peaks[8]) / 2 / (1 - DEFAULT_HEADROOM))
+    auto = ["backend=jax", "micro_batch_size=auto", f"memory_limit={limit}"]
+    compiled, said = [], []
+    original = micro_batch.window_peak_bytes
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("accumix")
+    mp = pytest.MonkeyPatch()
+    level = logger.level
+    logger.setLevel(logging.INFO)  # as the CLI's own handler sets it (pytest's may not)
+    logger.addHandler(handler)
+    mp.setattr(micro_batch, "window_peak_bytes",
+               lambda *a, **k: compiled.append(a[4]) or original(*a, **k))
+    try:
+        out = train(tmp_path / "auto", *auto, "max_steps=3", capsys=capsys)
+        probes = len(compiled)
+        assert "= micro batch 4 x 1 process(es) x K=4" in out
+        train(tmp_path / "explicit", "backend=jax", "max_steps=3", capsys=capsys)
+        assert (tmp_path / "auto" / "model.safetensors").read_bytes() == (
+            tmp_path / "explicit" / "model.safetensors").read_bytes()
+        assert [r["loss"] for r in rows(tmp_path / "auto")] == [
+            r["loss"] for r in rows(tmp_path / "explicit")]
+        train(tmp_path / "auto", *auto, "max_steps=4", capsys=capsys)  # resumes from step 3
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        mp.undo()
+    said = [line for line in said if "micro_batch_size=auto chose" in line]
+    assert said[0].startswith("micro_batch_size=auto chose 4 (K=4 on 1 rank, global 16): peak ")
+    assert said[1] == (f"micro_batch_size=auto chose 4 (K=4 on 1 rank, global 16) (cached in "
+                       f"{tmp_path / 'auto'})") and len(said) == 2, said
+    assert main(["estimate-memory", *TINY, *auto, "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert said[0] in out.splitlines() and "micro batch 2 x 32 tokens per device, K=4" in out
+    assert probes >= 2 and 8 in compiled[:probes] and len(compiled) == probes  # none again
+    assert [json.loads((tmp_path / "auto" / CACHE_FILE).read_text())[k]["micro_batch_size"]
+            for k in json.loads((tmp_path / "auto" / CACHE_FILE).read_text())] == [4]
+    assert [int(r["step"]) for r in rows(tmp_path / "auto")] == [1, 2, 3, 4]
+
+
+
+def test_auto_elastic_restart_on_two_processes_chooses_again(tmp_path) -> None:
+    """One process chooses 16 (K=1) and checkpoints; the restart on 2 processes keeps global
+    16, finds no answer for its world in the cache, chooses again (agreed: 8 each) and goes on
+    from step 1; the run directory then holds both answers."""
+    import json
+    import os
+
+    from accumix.micro_batch_cache import CACHE_FILE
+
+    tiny = [a for a in TINY if not a.startswith(("micro_batch_size", "nproc", "sample"))]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "XLA_FLAGS")}
+    lines = []
+    for steps, nproc in ((1, 1), (2, 2)):
+        done = subprocess.run(
+            [sys.executable, "-m", "accumix.cli.main", "train", *tiny, "backend=jax",
+             "micro_batch_size=auto", f"memory_limit={10**9}", "sample.max_new_tokens=0",
+             "plot=false", "eval_every=null", f"max_steps={steps}", f"checkpoint_every={steps}",
+             f"nproc={nproc}", f"output_dir={tmp_path}"],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines += [x for x in done.stderr.splitlines() if "micro_batch_size=auto chose" in x]
+    assert "micro_batch_size=auto chose 16 (K=1 on 1 rank, global 16): peak" in lines[0]
+    assert "micro_batch_size=auto chose 8 (K=1 on 2 ranks, global 16): peak" in lines[1]
+    assert len(lines) == 2, lines
+    assert sorted(v["micro_batch_size"] for v in json.loads(
+        (tmp_path / CACHE_FILE).read_text()).values()) == [8, 16]
+    assert [int(r["step"]) for r in rows(tmp_path)] == [1, 2]

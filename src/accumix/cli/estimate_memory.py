@@ -153,6 +153,11 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
         optimizer, _ = default_jax.optimizer_and_schedule(config, params, 1, 1)
         label = f"the recipe's GPT ({gpt_jax.num_parameters(shape):,} parameters"
         micro = config.micro_batch_size
+        if micro == "auto":  # the choice accumix train makes here (per device), no training
+            import dataclasses
+
+            micro = _probe_jax_recipe(config, optimizer)
+            config = dataclasses.replace(config, micro_batch_size=micro)
         if isinstance(micro, int):
             activations, how = _jax_activations(config, params, optimizer, devices, precision)
             steps = max(1, config.global_batch_size // (devices * micro))
@@ -160,8 +165,6 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
             window_bytes = devices * steps * 2 * micro * shape.block_size * 4
             label += (f", micro batch {micro} x {shape.block_size} tokens per device, K={steps};"
                       f" activations measured from XLA: memory_analysis() of {how})")
-        else:  # micro_batch_size=auto: the JAX recipe has no probe here
-            label += "; micro_batch_size=auto: activations not counted)"
     device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
                     else device_free_bytes())
     import jax
@@ -222,6 +225,25 @@ def _jax_activations(config: Any, params: Any, optimizer: Any, devices: int,
            f"the compiled one-device window step (this process has {len(every)} of the "
            f"{devices} devices)")
     return out, how
+
+
+def _probe_jax_recipe(config: Any, optimizer: Any) -> int:
+    """``micro_batch_size=auto`` on JAX: the recipe's choice in this process (its devices: a
+    CPU's host devices are the world size's), from the compiled window step as the training run
+    makes it, said in the same line; returns the rows per device. Writes nothing."""
+    import accumix.jax as axj
+    from accumix.recipes import default_jax, gpt_jax
+
+    default_jax.check_auto(config)
+    acc = axj.Accelerator(strategy=config.strategy, precision=config.precision,
+                          global_batch_size=config.global_batch_size, micro_batch_size="auto",
+                          memory_limit=config.memory_limit, seed=config.seed)
+    state = acc.setup(gpt_jax.init_params(config.model), optimizer)
+    micro = default_jax.choose_micro_batch(acc, config, state, cache=False)
+    choice = acc.micro_batch_choice
+    assert choice is not None
+    print(choice.describe())  # the command's output (the log line goes to stderr)
+    return micro // acc.local_devices
 
 
 def _probe_recipe(config: object) -> int:

@@ -42,6 +42,7 @@ from accumix.jax.strategies import JaxStrategy, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
 from accumix.micro_batch_search import (
     DEFAULT_HEADROOM,
+    MicroBatchChoice,
     check_micro_batch_word,
     is_auto,
     parse_memory_limit,
@@ -240,13 +241,21 @@ class Accelerator:
     def find_micro_batch_size(self, state: TrainState, loss_fn: LossFn,
                               make_batch: Callable[[int], Any], *,
                               clip_norm: float | None = None,
-                              headroom: float = DEFAULT_HEADROOM) -> int:
+                              headroom: float = DEFAULT_HEADROOM,
+                              run_dir: str | os.PathLike[str] | None = None) -> int:
         """``micro_batch_size="auto"``: the choice read from the compiled step (never run); K
-        follows. Collective. Arguments and errors: ``accumix.jax.micro_batch.find``."""
-        choice = find(self, state, loss_fn, make_batch, clip_norm=clip_norm, headroom=headroom)
+        follows. Collective. With ``run_dir`` the answer is cached there (a restart with the
+        same settings reuses it). Arguments and errors: ``accumix.jax.micro_batch.find``."""
+        choice = find(self, state, loss_fn, make_batch, clip_norm=clip_norm, headroom=headroom,
+                      run_dir=run_dir)
         self._batch_sizes = (self._batch_sizes[0], self._batch_sizes[1], choice.micro_batch_size)
         self._grad_accum_steps = choice.grad_accum_steps
         return choice.micro_batch_size
+
+    @property
+    def micro_batch_choice(self) -> MicroBatchChoice | None:
+        """What ``micro_batch_size="auto"`` chose and why (None before, or without auto)."""
+        return getattr(self, "_micro_batch_choice", None)
 
     def setup_loader(self, loader: Any) -> WindowLoader:
         """A torch ``DataLoader`` as windows of K batches (``setup``'s third argument, for a

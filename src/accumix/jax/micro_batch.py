@@ -11,12 +11,18 @@ activations, the gradient accumulator and the optimizer update are temporaries).
 candidate with ``peak(m) <= limit x (1 - headroom)`` wins; the candidates and the bisection are
 ``micro_batch_search``'s (memory grows with ``m``, so about log2(#candidates) compilations).
 Every process chooses on its own devices, then the minimum over processes is taken (one
-all-gather), so a process with less memory never runs another K.
+all-gather), so a process with less memory never runs another K. Given a run directory, the
+answer is cached there (``accumix.micro_batch_cache``'s file and format, under ``cache_key``'s
+JAX key), so a restart with the same settings compiles nothing and one on another world size
+(or device, precision, strategy, shapes...) chooses again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +79,30 @@ def window_peak_bytes(acc: Accelerator, state: TrainState, loss_fn: Any, make_ba
     return compiled_peak_bytes(jitted.lower(state, window).compile())
 
 
+def cache_key(acc: Accelerator, state: TrainState, make_batch: MakeBatch, *,
+              clip_norm: float | None, headroom: float) -> str:
+    """What the answer depends on: processes and devices, the device kind, precision, strategy
+    (its ``repr`` holds its memory settings), a one-row batch's shapes and dtypes, the state's
+    shapes and dtypes (params and optimizer state: another optimizer or model needs another
+    answer), the global batch, the limit, the headroom and the clipping."""
+    def shapes(tree: Any) -> str:
+        return repr([(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
+                     for x in jax.tree.leaves(tree)])
+
+    device = jax.local_devices()[0]
+    parts = {"backend": "jax", "world": acc.world_size, "devices": acc.num_devices,
+             "device": f"{device.platform}:{device.device_kind}",
+             "precision": acc.policy.name, "strategy": repr(acc.strategy),
+             "shapes": shapes(make_batch(1)), "params": shapes(state.params),
+             "optimizer": shapes(state.opt_state), "global_batch": acc._batch_sizes[1],
+             "limit": acc._memory_limit, "headroom": headroom, "clip_norm": clip_norm}
+    text = json.dumps(parts, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatch, *,
-         clip_norm: float | None, headroom: float) -> MicroBatchChoice:
+         clip_norm: float | None, headroom: float,
+         run_dir: str | os.PathLike[str] | None = None) -> MicroBatchChoice:
     """The choice, agreed by every process (collective), said in one log line.
 
     Call it after ``state = acc.setup(params, optimizer)``, before building windows or
@@ -87,6 +115,8 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
         make_batch: ``make_batch(n)``: this process's micro-batch of n rows (numpy arrays),
             the longest the data can give.
         headroom: the fraction of the memory limit left free.
+        run_dir: where the answer is cached (``micro_batch_auto.json``), keyed by
+            ``cache_key``; None: no cache.
 
     Raises:
         ConfigError: ``micro_batch_size`` is not ``"auto"`` or setup was not called; no limit
@@ -109,6 +139,10 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
                           f"each of {acc.world_size} processes {global_batch // acc.world_size} "
                           f"rows, which its {acc.local_devices} devices do not divide; use a "
                           f"global batch that {acc.world_size * acc.local_devices} divides")
+    cached = _cached(acc, state, make_batch, sizes, clip_norm=clip_norm, headroom=headroom,
+                     run_dir=run_dir)
+    if cached is not None:
+        return cached
     peaks: dict[int, int] = {}
 
     def peak(m: int) -> int:
@@ -136,6 +170,36 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
         tightest_rank=tightest, probes=int(every[:, 1].max()))
     log.info("%s", choice.describe())
     acc._micro_batch_choice = choice  # what ``rebatched`` reads when the loader is set up
+    if run_dir is not None and jax.process_index() == 0:
+        from accumix.micro_batch_cache import write_cache
+
+        write_cache(run_dir, cache_key(acc, state, make_batch, clip_norm=clip_norm,
+                                       headroom=headroom), agreed)
+    return choice
+
+
+def _cached(acc: Accelerator, state: TrainState, make_batch: MakeBatch, sizes: list[int], *,
+            clip_norm: float | None, headroom: float,
+            run_dir: str | os.PathLike[str] | None) -> MicroBatchChoice | None:
+    """The run directory's answer when every process reads the same valid one (one
+    all-gather), else None: then every process compiles and chooses."""
+    if run_dir is None:
+        return None
+    from accumix.micro_batch_cache import read_cache
+
+    key = cache_key(acc, state, make_batch, clip_norm=clip_norm, headroom=headroom)
+    every = _all_processes([read_cache(run_dir, key) or 0])[:, 0]
+    micro = int(every[0])
+    if micro not in sizes or (every != micro).any():
+        return None
+    global_batch = acc._batch_sizes[1]
+    assert global_batch is not None and acc._memory_limit is not None
+    choice = MicroBatchChoice(
+        micro_batch_size=micro, grad_accum_steps=global_batch // (acc.world_size * micro),
+        dp_world_size=acc.world_size, global_batch_size=global_batch, peak_bytes=0,
+        limit_bytes=acc._memory_limit, tightest_rank=0, probes=0)
+    log.info("%s (cached in %s)", choice.describe().split(":")[0], run_dir)
+    acc._micro_batch_choice = choice
     return choice
 
 

@@ -118,6 +118,60 @@ def initial_params(config: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"init_from={config.init_from!r}: {exc}") from exc
 
 
+def worst_batch(model: GPTConfig, rows: int) -> dict[str, Any]:
+    """``rows`` documents of ``block_size`` tokens, as the loader gives them: the longest the
+    data can produce, so the batch ``micro_batch_size=auto`` probes with."""
+    full = [torch.zeros(model.block_size + 1, dtype=torch.int64)]
+    return padded_collate(full * rows, length=model.block_size, rows=rows)
+
+
+def check_auto(config: TrainConfig) -> None:
+    """Refuses ``micro_batch_size=auto`` where the probe would have no limit to fit under,
+    before anything is set up.
+
+    Raises:
+        ConfigError: the device reports no memory size and no ``memory_limit`` is given.
+    """
+    from accumix.jax.micro_batch import device_total_bytes
+
+    if config.memory_limit is None and device_total_bytes() is None:
+        raise ConfigError("micro_batch_size=auto: this device (backend=jax) reports no memory "
+                          "size; pass memory_limit= in bytes, e.g. memory_limit=2000000000")
+
+
+def choose_micro_batch(acc: Any, config: TrainConfig, state: Any, *, cache: bool = True) -> int:
+    """``micro_batch_size=auto``: the largest micro batch whose compiled window step fits
+    ``memory_limit`` with ``block_size``-token rows (the longest the data gives), agreed by
+    every process, said in one line; cached in the run directory when ``cache``."""
+    check_auto(config)
+    return acc.find_micro_batch_size(state, make_loss_fn(config.model),
+                                     partial(worst_batch, config.model),
+                                     clip_norm=config.grad_clip,
+                                     run_dir=config.run_dir if cache else None)
+
+
+def set_up(acc: Any, config: TrainConfig, params: Any, documents: int) -> tuple[Any, int, Any]:
+    """The set-up state, the micro batch and the LR table's reader.
+
+    Under ``micro_batch_size=auto`` the state is set up first and the micro batch chosen from
+    its compiled window step (``choose_micro_batch``), cached in the run directory; the probe
+    only compiles, so the state is the one an explicit run starts from.
+    """
+    global_batch, world = config.global_batch_size, acc.world_size
+    micro = config.micro_batch_size
+    if micro == "auto":
+        check_auto(config)  # before the setup's lines, so the error is the only one
+    # The schedule's length does not depend on the micro batch: an epoch's windows are
+    # ceil(ceil(documents / world) / micro) / K rounded up = ceil(ceil(documents / world) /
+    # (global / world)), so a schedule built before the choice is the explicit run's.
+    total = total_steps(config, documents, world, global_batch // world, 1)
+    tx, lr_at = optimizer_and_schedule(config, params, total, global_batch)
+    state = acc.setup(params, tx)
+    if micro == "auto":
+        micro = choose_micro_batch(acc, config, state)
+    return state, micro, lr_at
+
+
 def run(config: TrainConfig) -> int:
     """Trains the recipe with accumix.jax on the processes this one was launched with."""
     import accumix.jax as axj
@@ -127,21 +181,18 @@ def run(config: TrainConfig) -> int:
     started = time.perf_counter()
     acc = axj.Accelerator(strategy=config.strategy, precision=config.precision,
                           global_batch_size=config.global_batch_size,
-                          micro_batch_size=config.micro_batch_size, seed=config.seed)
+                          micro_batch_size=config.micro_batch_size, seed=config.seed,
+                          memory_limit=config.memory_limit)
     train_files, val_files, train, val = datasets(config)
-    block = config.model.block_size
-    collate = partial(padded_collate, length=block, rows=config.micro_batch_size)
-    loader = DataLoader(train, batch_size=config.micro_batch_size, shuffle=True,
-                        collate_fn=collate)
-    total = total_steps(config, len(train), acc.world_size, acc.grad_accum_steps)
-    params = initial_params(config)
-    tx, lr_at = optimizer_and_schedule(config, params, total, config.global_batch_size)
-    state, windows = acc.setup(params, tx, loader)
     model_cfg = config.model
     loss_fn = make_loss_fn(model_cfg)
+    params = initial_params(config)
+    state, micro, lr_at = set_up(acc, config, params, len(train))
+    collate = partial(padded_collate, length=model_cfg.block_size, rows=micro)
+    windows = acc.setup_loader(DataLoader(train, batch_size=micro, shuffle=True,
+                                          collate_fn=collate))
     steps = JaxSteps(accelerator=acc, state=state, train_windows=windows, loss_fn=loss_fn,
-                     val_loader=DataLoader(val, batch_size=config.micro_batch_size,
-                                           collate_fn=collate),
+                     val_loader=DataLoader(val, batch_size=micro, collate_fn=collate),
                      lr=lr_at)
     trainer = Trainer(
         steps=steps, max_steps=config.max_steps, max_epochs=config.max_epochs,
@@ -160,7 +211,7 @@ def run(config: TrainConfig) -> int:
         f"{len(val_files)} files held out)\n"
         f"  {acc.world_size} process(es) x {acc.local_devices} device(s), strategy "
         f"{acc.strategy.name}, precision {acc.policy.name}, global batch "
-        f"{config.global_batch_size} = micro batch {config.micro_batch_size} x "
+        f"{config.global_batch_size} = micro batch {micro} x "
         f"{acc.world_size} process(es) x K={acc.grad_accum_steps}; run directory "
         f"{config.run_dir}", flush=True)
     result = trainer.fit()  # SaveModelAtEnd wrote model.safetensors
