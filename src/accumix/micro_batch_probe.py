@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import numbers
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -68,6 +67,7 @@ from accumix.micro_batch_search import (
     DEFAULT_HEADROOM,
     MicroBatchChoice,
     candidates,
+    check_headroom,
     fits_with_headroom,
     is_auto,
     largest_fitting,
@@ -119,10 +119,7 @@ def choose_micro_batch(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
     Raises:
         ConfigError: not even a micro-batch of 1 fits, or a bad ``headroom``.
     """
-    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real) \
-            or not 0 <= float(headroom) < 1:
-        raise ConfigError(f"headroom={headroom!r} is invalid; use a fraction in [0, 1), "
-                          "e.g. 0.1")
+    check_headroom(headroom)
     _, global_batch, _ = acc._batch_sizes
     world = acc.strategy.dp_world_size
     sizes = candidates(global_batch, world)

@@ -106,6 +106,14 @@ def parse_memory_limit(memory_limit: int | float | str | None, *,
     return limit
 
 
+def check_headroom(headroom: object) -> None:
+    """Raises a one-line ``ConfigError`` unless ``headroom`` is a fraction in [0, 1)."""
+    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real) \
+            or not 0 <= float(headroom) < 1:
+        raise ConfigError(f"headroom={headroom!r} is invalid; use a fraction in [0, 1), "
+                          "e.g. 0.1")
+
+
 def fits_with_headroom(peak_bytes: int, limit_bytes: int, headroom: float) -> bool:
     """A measured peak fits when it leaves ``headroom`` (a fraction) of the limit free."""
     return peak_bytes <= limit_bytes * (1.0 - headroom)

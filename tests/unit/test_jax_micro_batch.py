@@ -101,6 +101,9 @@ def test_bad_input_is_one_line() -> None:
     acc, state = _auto(1000)
     with pytest.raises(ConfigError, match="not even 2 rows"):
         acc.find_micro_batch_size(state, w.item_loss, _rows)
+    for bad in (1.5, -0.1, True, "10%"):
+        with pytest.raises(ConfigError, match=r"headroom=.* is invalid; use a fraction in"):
+            acc.find_micro_batch_size(state, w.item_loss, _rows, headroom=bad)
     with pytest.raises(ConfigError, match="find_micro_batch_size"):
         acc.setup_loader(__import__("torch").utils.data.DataLoader(range(8), batch_size=2))
 

@@ -35,6 +35,7 @@ from accumix.jax.step import build_step
 from accumix.micro_batch_search import (
     MicroBatchChoice,
     candidates,
+    check_headroom,
     fits_with_headroom,
     is_auto,
     largest_fitting,
@@ -121,8 +122,9 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
     Raises:
         ConfigError: ``micro_batch_size`` is not ``"auto"`` or setup was not called; no limit
             known (the CPU backend reports no memory size: pass ``memory_limit=`` in bytes);
-            not even one row fits on some process.
+            not even one row fits on some process; a ``headroom`` outside [0, 1).
     """
+    check_headroom(headroom)
     micro, limit_bytes = acc._batch_sizes[2], acc._memory_limit
     if not is_auto(micro) or acc._optimizer is None:
         raise ConfigError("find_micro_batch_size needs micro_batch_size='auto' and "
