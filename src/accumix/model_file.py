@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from safetensors.torch import save_file
 from torch import nn
 
@@ -24,7 +25,13 @@ def save_model(acc: Accelerator, directory: str | os.PathLike[str], model: nn.Mo
                 f"save_model needs model= when {len(acc._models)} models are set up"
             )
         model = acc._models[0]
-    state = acc.strategy.full_state_dict(model)
+    return write_full_state(acc, acc.strategy.full_state_dict(model), directory)
+
+
+def write_full_state(acc: Accelerator, state: dict[str, torch.Tensor],
+                     directory: str | os.PathLike[str]) -> Path:
+    """Writes a full (unsharded) state dict as ``directory/model.safetensors``: rank 0 writes,
+    every rank waits (collective). Returns the file's path."""
     path = Path(directory) / "model.safetensors"
     if acc.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,17 @@ def reference_emas(data: Any, batch_size: int, steps: int, skip: int | None = No
     return out
 
 
+def fit_sgd(model: torch.nn.Module, callbacks: list[Callback], *, max_steps: int,
+            run_dir: Path | None, rows: int = 64, **options: Any) -> None:
+    """The Trainer run these tests share: SGD(lr=0.1), fp32, a mean loss over batches of 4 of
+    ``rows`` regression rows, no clipping; ``options`` go to the Trainer."""
+    Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_loader=DataLoader(w.regression_data(rows), batch_size=4),
+            accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
+            max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
+            callbacks=callbacks, **options).fit()
+
+
 class Snapshots(Callback):
     """The average after each optimizer step (placed after the WeightAveraging callback)."""
 
@@ -161,11 +172,8 @@ def test_per_rank_files_of_earlier_checkpoints_still_load(tmp_path: Path) -> Non
             ) -> WeightAveraging:
         ema = WeightAveraging(decay=DECAY)
         model = w.make_model()
-        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                train_loader=DataLoader(w.regression_data(32), batch_size=4),
-                accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
-                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
-                checkpoint_every=3, callbacks=[ema] if with_ema else []).fit()
+        fit_sgd(model, [ema] if with_ema else [], max_steps=max_steps, run_dir=run_dir,
+                rows=32, checkpoint_every=3)
         ema.weights = [p.detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
         return ema
 
@@ -198,12 +206,8 @@ def test_a_crash_while_the_average_is_written_leaves_the_previous_checkpoint_res
     def fit(max_steps: int, run_dir: Path | None) -> WeightAveraging:
         ema = WeightAveraging(decay=DECAY)
         model = w.make_model()
-        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                train_loader=DataLoader(w.regression_data(64), batch_size=4),
-                accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
-                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
-                checkpoint_every=3 if run_dir else None, keep_checkpoints=1,
-                callbacks=[ema]).fit()
+        fit_sgd(model, [ema], max_steps=max_steps, run_dir=run_dir,
+                checkpoint_every=3 if run_dir else None, keep_checkpoints=1)
         return ema
 
     want = fit(9, None).average
@@ -240,12 +244,9 @@ def test_a_save_while_the_average_is_swapped_in_is_refused(tmp_path: Path) -> No
         ema = WeightAveraging(decay=DECAY, eval_with_average=True)
         saver = [SaveOnValidation()] if run_dir is not None else []
         model = w.make_model()
-        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                train_loader=DataLoader(w.regression_data(64), batch_size=4),
-                accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
-                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
-                val_loader=DataLoader(w.regression_data(16), batch_size=8), eval_every=3,
-                callbacks=[*saver, ema] if saver_first else [ema, *saver]).fit()
+        fit_sgd(model, [*saver, ema] if saver_first else [ema, *saver], max_steps=max_steps,
+                run_dir=run_dir, val_loader=DataLoader(w.regression_data(16), batch_size=8),
+                eval_every=3)
         return [p.detach().clone() for p in model.parameters()]
 
     with pytest.raises(CheckpointError, match="swapped in for evaluation"):
@@ -263,11 +264,8 @@ def test_two_averages_are_saved_and_resumed_each_its_own(tmp_path: Path) -> None
     def fit(max_steps: int, run_dir: Path | None) -> list[list[torch.Tensor]]:
         emas = [WeightAveraging(decay=DECAY), WeightAveraging(decay=0.5)]
         model = w.make_model()
-        Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                train_loader=DataLoader(w.regression_data(64), batch_size=4),
-                accelerator=ax.Accelerator(precision="fp32"), step_fn=w.mean_loss,
-                max_steps=max_steps, grad_clip=None, progress_bar=False, run_dir=run_dir,
-                checkpoint_every=3 if run_dir else None, callbacks=emas).fit()
+        fit_sgd(model, list(emas), max_steps=max_steps, run_dir=run_dir,
+                checkpoint_every=3 if run_dir else None)
         return [ema.average for ema in emas]
 
     want = fit(6, None)

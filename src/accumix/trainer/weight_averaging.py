@@ -184,17 +184,9 @@ class WeightAveraging(Callback):
         Returns:
             The file's path.
         """
-        from safetensors.torch import save_file
+        from accumix.model_file import write_full_state
 
-        acc = trainer.accelerator
-        state = self.full_state_dict(trainer)
-        path = Path(directory) / "model.safetensors"
-        if acc.is_main_process:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-            save_file(tensors, str(path), metadata={"format": "pt"})
-        acc.barrier()
-        return path
+        return write_full_state(trainer.accelerator, self.full_state_dict(trainer), directory)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
