@@ -42,6 +42,11 @@ def cache_key(acc: Accelerator, sample: Any, global_batch: int, headroom: float)
              "device": device_model(acc.device), "params": params,
              "optimizers": optimizers,
              "global_batch": global_batch, "limit": acc._memory_limit, "headroom": headroom}
+    return key_of(parts)
+
+
+def key_of(parts: dict[str, Any]) -> str:
+    """A short stable hash of ``parts`` (what an answer depends on), for either backend."""
     text = json.dumps(parts, sort_keys=True, default=repr)  # a config value JSON has no form for
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

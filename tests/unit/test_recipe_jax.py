@@ -294,3 +294,22 @@ def test_auto_elastic_restart_on_two_processes_chooses_again(tmp_path) -> None:
     assert sorted(v["micro_batch_size"] for v in json.loads(
         (tmp_path / CACHE_FILE).read_text()).values()) == [8, 16]
     assert [int(r["step"]) for r in rows(tmp_path)] == [1, 2]
+
+
+def test_auto_global_batch_smaller_than_the_world_is_a_config_error() -> None:
+    """``micro_batch_size=auto`` with a global batch that the processes do not divide: the
+    candidates' one-line ConfigError before anything is set up. Before: ZeroDivisionError in
+    the schedule's length (global // world = 0 rows per process)."""
+    from types import SimpleNamespace
+
+    from accumix.errors import ConfigError
+    from accumix.recipes import default, default_jax
+    from accumix.trainer.config import load_config
+
+    config = load_config(default.TrainConfig, None, [*TINY, "backend=jax",
+                                                     "micro_batch_size=auto",
+                                                     "memory_limit=1000000000",
+                                                     "global_batch_size=1"])
+    acc = SimpleNamespace(world_size=2)  # never set up: the check comes first
+    with pytest.raises(ConfigError, match=r"global_batch_size=1 does not divide over 2 "):
+        default_jax.set_up(acc, config, {}, 100)

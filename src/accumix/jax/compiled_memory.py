@@ -9,7 +9,7 @@ depends on the model, so it is read from XLA instead of guessed:
     activations = (arguments + temporaries of a strategy's compiled step) - the model's row
 
 for the recipe's micro-batch rows and K. Where this process has the devices, each strategy's
-row is measured on its own step (fsdp's remat and gathers change what the backward keeps: on a
+row is measured on its own step (fsdp's per-use gathers change what the backward keeps: on a
 CPU in fp32 the recipe's fsdp step keeps 0.6 MiB more than ddp's for a 0.1M-parameter GPT);
 elsewhere the one-device step's figure serves every row.
 """

@@ -64,12 +64,20 @@ def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
     if dim is not None:
         shape[dim] //= jax.lax.axis_size(axis)
     zero_shard = jnp.zeros(shape, g.dtype)  # the shard is not differentiated: the tap is
-    g = g.astype(accum_dtype(g.dtype))  # the tap's dtype: float32, complex for complex leaves
+    return zero_shard, route(g, weight, axis, dim, scatter), jnp.zeros_like(weight)
+
+
+def route(g: jax.Array, weight: jax.Array, axis: str, dim: int | None,
+          scatter: bool) -> jax.Array:
+    """A gathered leaf's cotangent ``g`` as its accumulator tap takes it: in the tap's dtype
+    (float32, complex for complex leaves), reduce-scattered (times ``weight``) when
+    ``scatter``."""
+    g = g.astype(accum_dtype(g.dtype))
     if scatter and dim is not None:
         g = jax.lax.psum_scatter(g * weight, axis, scatter_dimension=dim, tiled=True)
     elif scatter:  # a replicated leaf: summed over devices after the scan, like the others
         g = g * weight
-    return zero_shard, g, jnp.zeros_like(weight)
+    return g
 
 
 gather_at_use.defvjp(_gather_fwd, _gather_bwd)

@@ -19,8 +19,6 @@ JAX key), so a restart with the same settings compiles nothing and one on anothe
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -86,6 +84,8 @@ def cache_key(acc: Accelerator, state: TrainState, make_batch: MakeBatch, *,
     (its ``repr`` holds its memory settings), a one-row batch's shapes and dtypes, the state's
     shapes and dtypes (params and optimizer state: another optimizer or model needs another
     answer), the global batch, the limit, the headroom and the clipping."""
+    from accumix.micro_batch_cache import key_of
+
     def shapes(tree: Any) -> str:
         return repr([(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
                      for x in jax.tree.leaves(tree)])
@@ -97,8 +97,7 @@ def cache_key(acc: Accelerator, state: TrainState, make_batch: MakeBatch, *,
              "shapes": shapes(make_batch(1)), "params": shapes(state.params),
              "optimizer": shapes(state.opt_state), "global_batch": acc._batch_sizes[1],
              "limit": acc._memory_limit, "headroom": headroom, "clip_norm": clip_norm}
-    text = json.dumps(parts, sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return key_of(parts)
 
 
 def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatch, *,
@@ -141,8 +140,9 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
                           f"each of {acc.world_size} processes {global_batch // acc.world_size} "
                           f"rows, which its {acc.local_devices} devices do not divide; use a "
                           f"global batch that {acc.world_size * acc.local_devices} divides")
-    cached = _cached(acc, state, make_batch, sizes, clip_norm=clip_norm, headroom=headroom,
-                     run_dir=run_dir)
+    key = None if run_dir is None else cache_key(acc, state, make_batch, clip_norm=clip_norm,
+                                                   headroom=headroom)
+    cached = _cached(acc, sizes, run_dir, key)
     if cached is not None:
         return cached
     peaks: dict[int, int] = {}
@@ -172,24 +172,21 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
         tightest_rank=tightest, probes=int(every[:, 1].max()))
     log.info("%s", choice.describe())
     acc._micro_batch_choice = choice  # what ``rebatched`` reads when the loader is set up
-    if run_dir is not None and jax.process_index() == 0:
+    if key is not None and jax.process_index() == 0:
         from accumix.micro_batch_cache import write_cache
 
-        write_cache(run_dir, cache_key(acc, state, make_batch, clip_norm=clip_norm,
-                                       headroom=headroom), agreed)
+        write_cache(run_dir, key, agreed)
     return choice
 
 
-def _cached(acc: Accelerator, state: TrainState, make_batch: MakeBatch, sizes: list[int], *,
-            clip_norm: float | None, headroom: float,
-            run_dir: str | os.PathLike[str] | None) -> MicroBatchChoice | None:
-    """The run directory's answer when every process reads the same valid one (one
-    all-gather), else None: then every process compiles and chooses."""
-    if run_dir is None:
+def _cached(acc: Accelerator, sizes: list[int], run_dir: str | os.PathLike[str] | None,
+            key: str | None) -> MicroBatchChoice | None:
+    """The run directory's answer under ``key`` when every process reads the same valid one
+    (one all-gather), else None: then every process compiles and chooses."""
+    if key is None:
         return None
     from accumix.micro_batch_cache import read_cache
 
-    key = cache_key(acc, state, make_batch, clip_norm=clip_norm, headroom=headroom)
     every = _all_processes([read_cache(run_dir, key) or 0])[:, 0]
     micro = int(every[0])
     if micro not in sizes or (every != micro).any():

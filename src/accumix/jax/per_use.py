@@ -42,8 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from accumix.jax.gather import gather_at_use
-from accumix.jax.trainable import accum_dtype
+from accumix.jax.gather import gather_at_use, route
 
 # Unary ops carried along with the parameter to its use (gathered first, then applied).
 CHAIN = frozenset({"convert_element_type", "transpose", "reshape", "broadcast_in_dim",
@@ -246,11 +245,7 @@ class _Run:
         if pre:  # back through the casts done before the gather (exact, as autodiff would)
             full = jax.ShapeDtypeStruct(d.shape, shard.dtype)
             d = jax.linear_transpose(lambda x: _apply_chain(pre, x), full)(d)[0]
-        d = d.astype(accum_dtype(d.dtype))
-        if self.scatter:
-            d = jax.lax.psum_scatter(d * weight, self.axis, scatter_dimension=leaf.dim,
-                                     tiled=True)
-        return d
+        return route(d, weight, self.axis, leaf.dim, self.scatter)
 
 
 def _narrowing_casts(chain: tuple[Any, ...], dtype: Any) -> int:

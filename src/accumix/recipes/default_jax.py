@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from accumix.errors import ConfigError
+from accumix.micro_batch_search import candidates
 from accumix.recipes import gpt_jax
 from accumix.recipes.default import (
     MODEL_FILE,
@@ -161,6 +162,7 @@ def set_up(acc: Any, config: TrainConfig, params: Any, documents: int) -> tuple[
     micro = config.micro_batch_size
     if micro == "auto":
         check_auto(config)  # before the setup's lines, so the error is the only one
+        candidates(global_batch, world)  # a global batch the processes do not divide
     # The schedule's length does not depend on the micro batch: an epoch's windows are
     # ceil(ceil(documents / world) / micro) / K rounded up = ceil(ceil(documents / world) /
     # (global / world)), so a schedule built before the choice is the explicit run's.
