@@ -23,6 +23,7 @@ finalized once per backward that reached it, by whichever optimizer gets there f
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -357,7 +358,8 @@ def optimizer_step(acc: Accelerator, optimizer: AcceleratedOptimizer, closure: A
 def clip_grad_norm(acc: Accelerator, max_norm: float, norm_type: float, parameters: Any
                    ) -> torch.Tensor | None:
     """``acc.clip_grad_norm_``: finalizes the gradients it reads first, then the strategy clips."""
-    if not isinstance(max_norm, (int, float)) or max_norm <= 0:
+    # numbers.Real: a numpy float32 from a config is a number too (not a float subclass)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or max_norm <= 0:
         raise ConfigError(f"clip_grad_norm_(max_norm={max_norm!r}) needs a number > 0")
     if not acc.sync_gradients:
         return None

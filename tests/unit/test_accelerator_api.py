@@ -107,6 +107,27 @@ def test_fp16_equals_fp32_grads_after_unscale() -> None:
     assert out["fp16-mixed"].item() == pytest.approx(out["fp32"].item(), rel=2e-3)
 
 
+def test_clip_grad_norm_takes_a_numpy_max_norm() -> None:
+    """A max_norm read from a numpy config (np.float32 is no float subclass) clips as a float."""
+    import numpy as np
+
+    x, y = w.regression_data(4).tensors
+    clipped = []
+    for max_norm in (0.01, np.float32(0.01)):
+        torch.manual_seed(0)
+        acc = ax.Accelerator(precision="fp32")
+        model = w.make_model()
+        model, opt = acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with acc.accumulate():
+            acc.backward(w.mean_loss(model, (x, y)))
+            norm = acc.clip_grad_norm_(max_norm)
+        clipped.append((norm.item(), [p.grad.clone() for p in model.parameters()]))
+    assert clipped[0][0] == clipped[1][0] > 0.01
+    assert all(torch.equal(a, b) for a, b in zip(clipped[0][1], clipped[1][1], strict=True))
+    with pytest.raises(ax.ConfigError, match="max_norm=True"):
+        acc.clip_grad_norm_(True)
+
+
 def test_bf16_true_casts_parameters() -> None:
     acc = ax.Accelerator(precision="bf16-true")
     model = acc.setup(w.make_model())

@@ -25,6 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from accumix import checkpoint
 from accumix.accelerator import Accelerator
 from accumix.data import AcceleratedDataLoader
 from accumix.errors import ConfigError
@@ -189,14 +190,10 @@ class TorchSteps:
 
     def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
              before_publish: Callable[[Path], None] | None = None) -> Path:
-        from accumix import checkpoint
-
         # checkpoint.save_state is acc.save_state with the callbacks' files written before
         # ``latest`` moves (a crash in between must not publish a checkpoint without them).
-        written = checkpoint.save_state(self.accelerator, run_dir, keep_last=keep_last or None,
-                                        extra_state=extra_state, before_publish=before_publish)
-        return Path(written) if isinstance(written, (str, Path)) else (
-            run_dir / f"step-{self.accelerator.optimizer_steps}")
+        return checkpoint.save_state(self.accelerator, run_dir, keep_last=keep_last or None,
+                                     extra_state=extra_state, before_publish=before_publish)
 
     def load(self, path: Path) -> None:
         self.accelerator.load_state(path)

@@ -122,8 +122,12 @@ class WeightAveraging(Callback):
     @torch.no_grad()
     def update(self) -> None:
         """Folds the current weights into the average (called by the Trainer)."""
-        for avg, param in zip(self.average, self._params, strict=True):
-            avg.mul_(self.decay).add_(self._holder.local(param).detach(), alpha=1.0 - self.decay)
+        # Two foreach kernels over every tensor, not two launches per parameter (the same
+        # ``mul_`` then ``add_`` per element: bitwise the per-tensor update).
+        if self.average:  # foreach refuses an empty list
+            torch._foreach_mul_(self.average, self.decay)
+            torch._foreach_add_(self.average, [self._holder.local(p).detach()
+                                               for p in self._params], alpha=1.0 - self.decay)
         self.updates += 1
 
     # -- evaluation with the average -----------------------------------------------------------
