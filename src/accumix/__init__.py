@@ -16,6 +16,7 @@ from accumix.errors import (
     CompileError,
     ConfigError,
     LossScaleError,
+    Preempted,
 )
 from accumix.precision.loss_scale import DynamicLossScale, NoLossScale
 
@@ -62,6 +63,7 @@ __all__ = [
     "FSDPStrategy",
     "LossScaleError",
     "NoLossScale",
+    "Preempted",
     "Policy",
     "SingleDeviceStrategy",
     "Strategy",

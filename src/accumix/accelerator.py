@@ -136,6 +136,7 @@ class Accelerator:
         self._loaders: list[AcceleratedDataLoader] = []
         self._preemption: fault.PreemptionHandler | None = None
         self._watchdog = fault.start_watchdog(self, timeout)
+        fault.die_with_launcher()
         self._set_up: set[int] = set()
         self._in_micro_step = False
         self._micro_step = micro_step._MicroStep(self, ())
@@ -402,6 +403,7 @@ class Accelerator:
         signals: tuple[int, ...] = (signal.SIGTERM,),
         keep_last: int | None = None,
         exit: bool = True,
+        save: Callable[[], Any] | None = None,
     ) -> fault.PreemptionHandler:
         """On one of ``signals`` (on any rank), save at the next window boundary, then exit 0.
 
@@ -415,12 +417,16 @@ class Accelerator:
             keep_last: passed to ``save_state``.
             exit: raise ``SystemExit(0)`` after the save; False only sets the returned
                 handler's ``triggered`` (the loop then breaks itself).
+            save: what writes the checkpoint (every rank calls it at the same boundary; it
+                returns the step directory); default ``acc.save_state(run_dir,
+                keep_last=keep_last)``. The Trainer passes its own, which adds its loop's
+                state.
 
         Returns:
             The handler (``triggered``, ``checkpoint``).
         """
         return lifecycle.handle_preemption(self, run_dir, signals=signals, keep_last=keep_last,
-                                           exit=exit)
+                                           exit=exit, save=save)
 
     def end(self) -> None:
         """Waits for every rank and releases what the strategy holds.

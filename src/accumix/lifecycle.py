@@ -4,7 +4,8 @@ preemption handler may be installed, and ``end()`` closes the pieces in order.""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -29,13 +30,13 @@ def check_same_config(acc: Accelerator) -> None:
 
 
 def handle_preemption(acc: Accelerator, run_dir: str | os.PathLike[str], *,
-                      signals: tuple[int, ...], keep_last: int | None, exit: bool
-                      ) -> fault.PreemptionHandler:
+                      signals: tuple[int, ...], keep_last: int | None, exit: bool,
+                      save: Callable[[], Any] | None = None) -> fault.PreemptionHandler:
     """``acc.handle_preemption``: replaces any earlier handler."""
     if acc._preemption is not None:
         acc._preemption.close()
     acc._preemption = fault.PreemptionHandler(
-        acc, run_dir, signals=tuple(signals), keep_last=keep_last, exit=exit
+        acc, run_dir, signals=tuple(signals), keep_last=keep_last, exit=exit, save=save
     )
     return acc._preemption
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from accumix.env import first_host
-from accumix.errors import ConfigError
+from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
 from accumix.testing import free_port
 
 DEFAULT_MULTINODE_PORT = 29500
@@ -167,8 +169,12 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
 
     Returns:
         0 when every rank succeeded; 2 when the ranks failed with a usage or config error
-        (status 2, their one-line message already printed); 1 for any other failure.
+        (status 2, their one-line message already printed); 143 (128 + the signal) when this
+        launcher got SIGTERM (or SIGINT, ...), which it forwarded to the ranks (they have
+        torchrun's ``--shutdown-timeout``, 30 s, to save and exit), or when every rank that
+        failed exited 143 (the Trainer's pre-emption save-and-stop); 1 for any other failure.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -177,11 +183,22 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     try:
         run(parse_args(torchrun_args(plan, target, target_args, module=module)))
+    except SignalException as exc:
+        # torchrun's agent turned the signal into this exception after it forwarded the signal
+        # to every rank and waited for them: no traceback, the status a scheduler reads.
+        name = signal.Signals(exc.sigval).name
+        print(f"accumix launch: stopped by {name}, forwarded to every rank (exit status "
+              f"{128 + exc.sigval})", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         failures = exc.failures
         codes = {failure.exitcode for failure in failures.values()}
         if codes == {2}:
             return 2
+        if codes == {PREEMPTED_EXIT_CODE}:
+            print("accumix launch: the ranks were pre-empted and saved (exit status "
+                  f"{PREEMPTED_EXIT_CODE}); run the same command again to resume", flush=True)
+            return PREEMPTED_EXIT_CODE
         # The agent kills the other ranks once one fails: name the one that failed first.
         own = {r: f for r, f in failures.items() if f.exitcode > 0} or failures
         rank, first = min(own.items(), key=lambda item: (item[1].timestamp, item[0]))

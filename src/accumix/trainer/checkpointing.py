@@ -27,7 +27,7 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
         return None
     path = trainer.steps.save(trainer.run_dir, trainer.keep_checkpoints, trainer.state_dict(),
                               lambda tmp: trainer.dispatch("on_write_checkpoint", tmp))
-    trainer._saved_step = trainer.step
+    trainer._saved_step, trainer._saved_path = trainer.step, path
     trainer.dispatch("on_save_checkpoint", path)
     return path
 
@@ -42,7 +42,7 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, missing_ok: bool) -> 
         raise ConfigError(f"no checkpoint at {str(path)!r}: it has no 'latest'")
     trainer.steps.load(path)
     trainer.step = trainer.steps.optimizer_steps
-    trainer._saved_step = trainer.step
+    trainer._saved_step, trainer._saved_path = trainer.step, layout.resolve(path)
     trainer.resumed_from = path
     trainer.epoch = trainer.steps.epoch
     trainer.load_state_dict(layout.extra_state(layout.resolve(path)))
