@@ -360,8 +360,9 @@ class PreemptionHandler:
                            else self._acc.save_state(self.run_dir, keep_last=self.keep_last))
         self.triggered = True
         self.close()
-        print(f"accumix: rank {self._acc.rank} pre-empted; saved {self.checkpoint}",
-              file=sys.stderr, flush=True)
+        # one write: the ranks share the terminal, and print's separate newline interleaves
+        sys.stderr.write(f"accumix: rank {self._acc.rank} pre-empted; saved {self.checkpoint}\n")
+        sys.stderr.flush()
         return True
 
     def close(self) -> None:

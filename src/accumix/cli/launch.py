@@ -180,7 +180,12 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
 
     if plan.threads_per_process is not None:
         os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_process)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # Each of torchrun's module loggers sets its own level (WARNING), so the parent's is not
+    # enough: the agent's "Received 15 death signal" and "Sending process ... closing signal"
+    # lines are the launcher's own business.
+    for name in [n for n in logging.root.manager.loggerDict
+                 if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         run(parse_args(torchrun_args(plan, target, target_args, module=module)))
     except SignalException as exc:

@@ -94,10 +94,17 @@ class MLflowLogger(TrackerLogger):
         uri, local = self._uri(Path(run_dir))
         if local:
             os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        # MLflow says "Creating initial MLflow database tables...": the job's business, not
+        # the launcher's
+        quiet = logging.getLogger("mlflow.store.db.utils")
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)
         try:
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
         except Exception as exc:
             raise self._location_error(uri, exc) from None
+        finally:
+            quiet.setLevel(level)
 
     @staticmethod
     def _location_error(uri: str, exc: BaseException) -> ConfigError:
