@@ -29,7 +29,6 @@ with status 143, which schedulers retry); the requeued job resumes from that che
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from accumix.errors import ConfigError
 from accumix.trainer import checkpointing, run_state
 from accumix.trainer.callbacks import LossGuard
 from accumix.trainer.events import Callback
@@ -45,8 +44,6 @@ from accumix.trainer.loggers import MetricLogger, resolve_loggers
 from accumix.trainer.metrics import StepMetrics
 from accumix.trainer.progress import ProgressBar
 from accumix.trainer.run_outputs import RunOutputs
-
-log = logging.getLogger("accumix")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -301,17 +298,11 @@ class Trainer:
         """Every rank agreed on a pre-emption signal at this window boundary (the steps object
         calls it): saves here unless this step is saved, and raises ``Preempted``
         (collective)."""
-        path = self.save_for_preemption()
-        if self.accelerator.is_main_process:
-            log.warning("pre-empted: saved %s at step %d; stopping (exit status %d: requeue "
-                        "the job to resume)", path, self.step, PREEMPTED_EXIT_CODE)
-        raise Preempted(self.step, path)
+        checkpointing.stop_preempted(self)
 
     def save_for_preemption(self) -> Path | None:
         """The checkpoint of this step: saved now, or the one already saved at it."""
-        if self._saved_step == self.step and self._saved_path is not None:
-            return self._saved_path
-        return self.save_checkpoint()
+        return checkpointing.save_for_preemption(self)
 
     def done(self) -> bool:
         """The run has reached its end (max_steps, max_epochs, or a callback's
