@@ -9,11 +9,14 @@ drops it when that process dies, however it dies, so a killed job never leaves a
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
 
 from accumix.errors import ConfigError
+
+log = logging.getLogger("accumix")
 
 LOCK_FILE = ".lock"
 
@@ -36,27 +39,38 @@ class RunDirLock:
 
 
 def lock_run_dir(run_dir: Path) -> RunDirLock | None:
-    """Takes ``run_dir``'s lock for this process (None where ``fcntl`` is missing: Windows).
+    """Takes ``run_dir``'s lock for this process (None where ``fcntl`` is missing, Windows,
+    or the filesystem cannot lock: a warning says so).
 
     Raises:
-        ConfigError: another live process holds it (named by its pid and host).
+        ConfigError: another live process holds it (named by its pid and host), or the
+            directory cannot be written.
     """
     try:
         import fcntl
     except ImportError:
         return None
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"run directory {str(run_dir)!r} cannot be written ({exc.strerror}); "
+                          "give a writable one") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
         raise ConfigError(
             f"run directory {str(run_dir)!r} is in use by a live job ({holder}); wait for it "
             "to end (or stop it), or give this job another run directory (output_dir=)"
         ) from None
+    except OSError as exc:  # a filesystem without flock (some network mounts): no guard
+        os.close(fd)
+        log.warning("run directory %s cannot be locked (%s): a second job there would not be "
+                    "refused", run_dir, exc.strerror)
+        return None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return RunDirLock(path, fd)
