@@ -63,6 +63,12 @@ class JaxSteps:
         self.state = state
         self.train_loader = train_windows
         self.val_loader = val_loader
+        self._val_shard: tuple[Any, int] | None = None
+        if val_loader is not None:  # a sampler that cannot be split is refused here
+            from accumix.trainer.evaluation import shard_for_eval
+
+            self._val_shard = shard_for_eval(val_loader, accelerator.rank,
+                                             accelerator.world_size)
         self.loss_fn, self.val_loss_fn = loss_fn, val_loss_fn or loss_fn
         self.lr = lr or (lambda _: math.nan)
         self.read_every = read_every
@@ -195,12 +201,11 @@ class JaxSteps:
     # -- evaluation and checkpoints --------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """The validation loss over every process (collective), read once."""
-        from accumix.trainer.evaluation import shard_for_eval
-
         acc = self.accelerator
         if self._eval_fn is None:
             self._eval_fn = acc.eval_step(self.val_loss_fn)
-        loader, max_batches = shard_for_eval(self.val_loader, acc.rank, acc.world_size)
+        assert self._val_shard is not None
+        loader, max_batches = self._val_shard
         total = None
         last = None
         iterator = iter(loader)

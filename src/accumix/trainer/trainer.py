@@ -96,8 +96,8 @@ class Trainer:
         grad_clip: the max gradient norm; None: no clipping (the norm is still logged).
         callbacks: more callbacks, called after the built-in ones in this order.
         loggers: logger words (``"csv"``, ``"jsonl"``, ``"tensorboard"``, ``"mlflow"``,
-            ``"wandb"``, ``"clearml"``) or ``MetricLogger`` objects; default csv + jsonl
-            (+ tensorboard when installed). Need ``run_dir``.
+            ``"wandb"``, ``"clearml"``; each once) or ``MetricLogger`` objects; default csv +
+            jsonl (+ tensorboard when installed). Need ``run_dir``.
         log_model: trackers named by word upload the final ``run_dir/model.safetensors``
             when it was written before they close (after ``on_fit_end``).
         run_name: trackers' run name and ``job`` tag (default: the run directory's name).
