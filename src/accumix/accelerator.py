@@ -40,18 +40,18 @@ from accumix import (
     oom_split,
 )
 from accumix.accumulation import AccumulationWindow
-from accumix.compile import CompileSetting, resolve_compile, strip_compiled
-from accumix.data import AcceleratedDataLoader
-from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
-from accumix.errors import ConfigError
-from accumix.logging_setup import configure_logging
-from accumix.micro_batch_search import (
+from accumix.common.micro_batch_search import (
     DEFAULT_HEADROOM,
     MicroBatchChoice,
     check_micro_batch_word,
     is_auto,
     parse_memory_limit,
 )
+from accumix.compile import CompileSetting, resolve_compile, strip_compiled
+from accumix.data import AcceleratedDataLoader
+from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
+from accumix.errors import ConfigError
+from accumix.logging_setup import configure_logging
 from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
 from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
@@ -356,7 +356,7 @@ class Accelerator:
             run_dir: the run's directory (created if needed).
             keep_last: keep this many newest step directories, deleting older ones.
             extra_state: a JSON-safe dict stored with the checkpoint (rank 0's), read back
-                with ``accumix.run_dir.extra_state(step_dir)``; the Trainer keeps its
+                with ``accumix.common.run_dir.extra_state(step_dir)``; the Trainer keeps its
                 callbacks' state there.
 
         Returns:

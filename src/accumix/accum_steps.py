@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from accumix.batch_sizes import batch_geometry, derive_grad_accum_steps
+from accumix.common.batch_sizes import batch_geometry, derive_grad_accum_steps
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:

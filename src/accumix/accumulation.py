@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from accumix.batch_sizes import derive_grad_accum_steps
+from accumix.common.batch_sizes import derive_grad_accum_steps
 from accumix.errors import ConfigError
 
 Number = int | float

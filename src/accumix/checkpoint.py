@@ -15,8 +15,8 @@ A run directory holds one directory per save and a pointer to the newest::
                           (plain JSON) and the size of every other file
 
 A save is written to ``.step-N.tmp``, flushed and renamed; ``latest`` follows, so a crash at any
-moment leaves the previous checkpoint complete and pointed to (``accumix.run_dir``: the layout
-the JAX backend shares). A load checks everything it can before it changes anything
+moment leaves the previous checkpoint complete and pointed to (``accumix.common.run_dir``: the
+layout the JAX backend shares). A load checks everything it can before it changes anything
 (``meta.json``, every file's size, the loaders' positions, the schedulers' types, the models'
 keys) and never unpickles arbitrary objects: JSON, ``weights_only`` tensors, and
 torch.distributed.checkpoint's metadata through a whitelist. ``checkpoint_meta.py`` writes and
@@ -36,12 +36,12 @@ import torch
 from torch.optim import Optimizer
 
 from accumix import accum_steps, checkpoint_meta, fault, rng_state, window_end
-from accumix import run_dir as layout
-from accumix.batch_sizes import resumed_grad_accum_steps
 from accumix.checkpoint_meta import FORMAT as FORMAT  # re-exported: where it was
+from accumix.common import run_dir as layout
+from accumix.common.batch_sizes import resumed_grad_accum_steps
+from accumix.common.run_dir import alternatives, latest_checkpoint, resolve
 from accumix.errors import AccumixError, CheckpointError, ConfigError
 from accumix.plain_values import numpy_floats, plain
-from accumix.run_dir import alternatives, latest_checkpoint, resolve
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator

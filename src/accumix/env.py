@@ -20,10 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accumix.errors import ConfigError
-
 # Re-exported: the launch variables are read by the torch-free module.
-from accumix.launch_env import DEFAULT_PORT, LaunchEnv, detect_launch_env, first_host
+from accumix.common.launch_env import DEFAULT_PORT, LaunchEnv, detect_launch_env, first_host
+from accumix.errors import ConfigError
 
 __all__ = [
     "DEFAULT_PORT", "LaunchEnv", "detect_launch_env", "first_host", "init_process_group",

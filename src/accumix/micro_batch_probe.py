@@ -52,6 +52,15 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from accumix import accum_steps, rng_state
+from accumix.common.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    MicroBatchChoice,
+    candidates,
+    check_headroom,
+    fits_with_headroom,
+    is_auto,
+    largest_fitting,
+)
 from accumix.data import move_to_device
 from accumix.errors import AccumixError, ConfigError
 from accumix.micro_batch_agreement import (
@@ -63,15 +72,6 @@ from accumix.micro_batch_agreement import (
     checkpoint_hooks,
 )
 from accumix.micro_batch_cache import cache_key, read_cache, write_cache
-from accumix.micro_batch_search import (
-    DEFAULT_HEADROOM,
-    MicroBatchChoice,
-    candidates,
-    check_headroom,
-    fits_with_headroom,
-    is_auto,
-    largest_fitting,
-)
 from accumix.peak_memory import PeakMeter, release_cached
 
 if TYPE_CHECKING:

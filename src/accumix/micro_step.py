@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from accumix import boundary, window_end
+from accumix.common.micro_batch_search import is_auto
 from accumix.errors import AccumixError, ConfigError
-from accumix.micro_batch_search import is_auto
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator

@@ -14,9 +14,9 @@ import numpy as np  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import accumix.jax as axj  # noqa: E402
+from accumix.common.micro_batch_search import DEFAULT_HEADROOM  # noqa: E402
 from accumix.errors import ConfigError  # noqa: E402
 from accumix.jax.micro_batch import window_peak_bytes  # noqa: E402
-from accumix.micro_batch_search import DEFAULT_HEADROOM  # noqa: E402
 from tests import jax_workloads as w  # noqa: E402
 
 G = 32  # one process, 2 CPU devices: candidates 2, 4, ..., 32 (a multiple of the devices)

@@ -219,9 +219,9 @@ def test_auto_chooses_under_memory_limit_equals_the_explicit_run_and_caches(
     import json
     import logging
 
+    from accumix.common.micro_batch_search import DEFAULT_HEADROOM
     from accumix.jax import micro_batch
     from accumix.micro_batch_cache import CACHE_FILE
-    from accumix.micro_batch_search import DEFAULT_HEADROOM
 
     peaks = _recipe_peaks([4, 8])
     assert peaks[4] < peaks[8], peaks

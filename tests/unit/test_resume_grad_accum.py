@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import accumix as ax
-from accumix.batch_sizes import batch_geometry, resumed_grad_accum_steps
+from accumix.common.batch_sizes import batch_geometry, resumed_grad_accum_steps
 from tests.scripts.resumable_train import dataset, params
 
 

@@ -26,9 +26,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accumix.batch_sizes import derive_grad_accum_steps
+from accumix.common.batch_sizes import derive_grad_accum_steps
+from accumix.common.hardware import peak_flops_by_name
+from accumix.common.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    MicroBatchChoice,
+    check_micro_batch_word,
+    is_auto,
+    parse_memory_limit,
+)
 from accumix.errors import ConfigError
-from accumix.hardware import peak_flops_by_name
 from accumix.jax import checkpoint, distributed, trainable
 from accumix.jax.data import Window, WindowLoader, make_window
 from accumix.jax.loss_scale import LossScaleRule
@@ -40,13 +47,6 @@ from accumix.jax.step import LossFn, build_eval, build_step
 from accumix.jax.step_calls import EvalStep, TrainStep
 from accumix.jax.strategies import JaxStrategy, resolve_jax_strategy
 from accumix.logging_setup import configure_logging
-from accumix.micro_batch_search import (
-    DEFAULT_HEADROOM,
-    MicroBatchChoice,
-    check_micro_batch_word,
-    is_auto,
-    parse_memory_limit,
-)
 from accumix.precision.loss_scale import DynamicLossScale, check_loss_scale_use
 
 log = logging.getLogger("accumix")
@@ -351,7 +351,7 @@ class Accelerator:
         The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
         sharded; each process's host RNGs and the set-up loader's epoch and position go
         beside it; ``extra_state`` (JSON-safe, process 0's) goes into ``meta.json``, read back
-        with ``accumix.run_dir.extra_state``. Collective: every process calls it, between
+        with ``accumix.common.run_dir.extra_state``. Collective: every process calls it, between
         windows.
 
         Raises:

@@ -1,4 +1,5 @@
-"""JAX checkpoints through orbax, in the torch side's run-directory layout (``accumix.run_dir``)::
+"""JAX checkpoints through orbax, in the torch side's run-directory layout
+(``accumix.common.run_dir``)::
 
     run_dir/latest, run_dir/step-N/
       state/             the TrainState through orbax (sharded; restores onto any mesh)
@@ -24,7 +25,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from accumix import run_dir as layout
+from accumix.common import run_dir as layout
 from accumix.errors import CheckpointError, ConfigError
 from accumix.jax.state import TrainState
 

@@ -27,10 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from accumix.errors import ConfigError
-from accumix.jax.data import make_window
-from accumix.jax.step import build_step
-from accumix.micro_batch_search import (
+from accumix.common.micro_batch_search import (
     MicroBatchChoice,
     candidates,
     check_headroom,
@@ -38,6 +35,9 @@ from accumix.micro_batch_search import (
     is_auto,
     largest_fitting,
 )
+from accumix.errors import ConfigError
+from accumix.jax.data import make_window
+from accumix.jax.step import build_step
 
 if TYPE_CHECKING:
     from accumix.jax.accelerator import Accelerator

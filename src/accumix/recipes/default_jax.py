@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from accumix.common.micro_batch_search import candidates
 from accumix.errors import ConfigError
-from accumix.micro_batch_search import candidates
 from accumix.recipes import gpt_jax
 from accumix.recipes.default import (
     MODEL_FILE,

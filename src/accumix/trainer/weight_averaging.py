@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from accumix import run_dir as layout
+from accumix.common import run_dir as layout
 from accumix.errors import CheckpointError, ConfigError
 from accumix.trainer.average_shards import PREFIX, Holder, named_floating
 from accumix.trainer.events import Callback
