@@ -32,7 +32,6 @@ from accumix import (
     accum_steps,
     boundary,
     checkpoint,
-    fault,
     lifecycle,
     micro_step,
     model_file,
@@ -49,13 +48,14 @@ from accumix.common.micro_batch_search import (
 )
 from accumix.compile import CompileSetting, resolve_compile, strip_compiled
 from accumix.data import AcceleratedDataLoader
-from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
 from accumix.errors import ConfigError
-from accumix.logging_setup import configure_logging
 from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
 from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.precision.loss_scale import check_loss_scale_use
+from accumix.runtime import fault
+from accumix.runtime.env import detect_launch_env, init_process_group, pick_device, seed_everything
+from accumix.runtime.logging_setup import configure_logging
 from accumix.strategies import Strategy, resolve_strategy
 
 

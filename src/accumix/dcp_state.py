@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from accumix import fault
 from accumix.errors import CheckpointError
 from accumix.plain_values import numpy_floats, plain
+from accumix.runtime import fault
 
 
 def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optimizer]) -> None:

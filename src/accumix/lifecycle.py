@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from accumix import fault
 from accumix.errors import ConfigError
+from accumix.runtime import fault
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator

@@ -46,8 +46,8 @@ from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
 from accumix.jax.step_calls import EvalStep, TrainStep
 from accumix.jax.strategies import JaxStrategy, resolve_jax_strategy
-from accumix.logging_setup import configure_logging
 from accumix.precision.loss_scale import DynamicLossScale, check_loss_scale_use
+from accumix.runtime.logging_setup import configure_logging
 
 log = logging.getLogger("accumix")
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
 from accumix.memory import PRECISIONS, choose_strategy, device_free_bytes, estimate_memory
 from accumix.precision import Policy
+from accumix.runtime.env import LaunchEnv
 from accumix.strategies.base import Strategy
 
 log = logging.getLogger("accumix")

@@ -225,7 +225,7 @@ def _stop_at_exit() -> None:
     "terminate called without an active exception" and SIGABRT after a job that finished (seen
     after a pre-emption save's ``SystemExit(0)``, which skips ``acc.end()``). The aborts that
     remained after this join came from a gloo worker thread, not from this one: see
-    ``accumix.env._teardown_at_exit``, which runs after this handler.
+    ``accumix.runtime.env._teardown_at_exit``, which runs after this handler.
     """
     watchdog = _watchdog
     if watchdog is None:
