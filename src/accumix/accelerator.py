@@ -47,7 +47,7 @@ from accumix.common.micro_batch_search import (
     parse_memory_limit,
 )
 from accumix.compile import CompileSetting, resolve_compile, strip_compiled
-from accumix.data import AcceleratedDataLoader
+from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
 from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
 from accumix.peak_memory import device_total_bytes

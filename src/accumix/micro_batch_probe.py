@@ -61,7 +61,7 @@ from accumix.common.micro_batch_search import (
     is_auto,
     largest_fitting,
 )
-from accumix.data import move_to_device
+from accumix.data.loader import move_to_device
 from accumix.errors import AccumixError, ConfigError
 from accumix.micro_batch_agreement import (
     ERROR,

@@ -62,7 +62,7 @@ def loader_reference(windows_taken: int) -> list[list[dict[str, np.ndarray]]]:
     rank 1's."""
     import torch
 
-    from accumix.data import AcceleratedDataLoader
+    from accumix.data.loader import AcceleratedDataLoader
     from accumix.jax.data import to_numpy
 
     shards = []

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import accumix as ax
 from accumix.checkpoint import CheckpointError, latest_checkpoint
-from accumix.data import AcceleratedDataLoader
+from accumix.data.loader import AcceleratedDataLoader
 from tests.scripts.resumable_train import build, params, train
 
 EPOCHS = 2  # 24 micro-batches of 2 an epoch, K=3: 8 steps an epoch on one process

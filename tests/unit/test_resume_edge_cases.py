@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import accumix as ax
 from accumix.checkpoint import CheckpointError, latest_checkpoint
-from accumix.data import AcceleratedDataLoader
+from accumix.data.loader import AcceleratedDataLoader
 from tests.scripts.resumable_train import build, build_unused_head, dataset, params, train
 
 STEPS, SAVE_AT = 8, 3

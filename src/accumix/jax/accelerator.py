@@ -268,7 +268,7 @@ class Accelerator:
                               "torch DataLoader, or build windows with acc.window([...])")
         import torch
 
-        from accumix.data import AcceleratedDataLoader
+        from accumix.data.loader import AcceleratedDataLoader
 
         micro = self._batch_sizes[2]
         if is_auto(micro):

@@ -205,10 +205,11 @@ def _cached(acc: Accelerator, sizes: list[int], run_dir: str | os.PathLike[str] 
 def rebatched(acc: Accelerator, loader: Any) -> Any:
     """The user's DataLoader at the micro-batch ``auto`` chose (whatever batch size it was
     given): the same dataset, sampler (shuffle, generator), collate_fn, workers, so the same
-    exact-resume rules (``accumix.data.with_batch_size``); as given when nothing was chosen."""
+    exact-resume rules (``accumix.data.loader.with_batch_size``); as given when nothing was
+    chosen."""
     if getattr(acc, "_micro_batch_choice", None) is None:
         return loader
-    from accumix.data import with_batch_size
+    from accumix.data.loader import with_batch_size
 
     return with_batch_size(loader, acc._micro_batch_choice.micro_batch_size)
 

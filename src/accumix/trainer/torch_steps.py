@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from accumix import checkpoint
 from accumix.accelerator import Accelerator
-from accumix.data import AcceleratedDataLoader
+from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
 from accumix.micro_batch_probe import batch_maker, needs_choice
 from accumix.optim import AcceleratedOptimizer

@@ -20,8 +20,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from accumix.data.sample_seeds import EpochSeedTagged, SeededCollate, SeededDataset, draws_nothing
 from accumix.errors import ConfigError
-from accumix.sample_seeds import EpochSeedTagged, SeededCollate, SeededDataset, draws_nothing
 
 
 class ResumableSampler(DistributedSampler):
@@ -60,7 +60,7 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
 
 def _rebuild(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
     """The user's loader around ``sampler``; unless the dataset draws nothing, each sample is
-    read under its own random streams (``accumix.sample_seeds``), so a resumed epoch augments
+    read under its own random streams (``accumix.data.sample_seeds``), so a resumed epoch augments
     every sample as the uninterrupted run did, whatever the workers."""
     dataset, indices, collate = loader.dataset, sampler, loader.collate_fn
     if not draws_nothing(dataset):
