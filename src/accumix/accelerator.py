@@ -28,17 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from accumix import (
-    accum_steps,
-    boundary,
-    checkpoint,
-    lifecycle,
-    micro_step,
-    model_file,
-    object_setup,
-    oom_split,
-)
+from accumix import accum_steps, boundary, lifecycle, micro_step, object_setup, oom_split
 from accumix.accumulation import AccumulationWindow
+from accumix.checkpoint import model_file
+from accumix.checkpoint import save_load as checkpoint
 from accumix.common.micro_batch_search import (
     DEFAULT_HEADROOM,
     MicroBatchChoice,
@@ -356,7 +349,7 @@ class Accelerator:
             run_dir: the run's directory (created if needed).
             keep_last: keep this many newest step directories, deleting older ones.
             extra_state: a JSON-safe dict stored with the checkpoint (rank 0's), read back
-                with ``accumix.common.run_dir.extra_state(step_dir)``; the Trainer keeps its
+                with ``accumix.checkpoint.extra_state(step_dir)``; the Trainer keeps its
                 callbacks' state there.
 
         Returns:

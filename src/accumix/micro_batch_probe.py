@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from accumix import accum_steps, rng_state
+from accumix import accum_steps
+from accumix.checkpoint import rng_state
 from accumix.common.micro_batch_search import (
     DEFAULT_HEADROOM,
     MicroBatchChoice,

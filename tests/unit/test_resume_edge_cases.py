@@ -316,7 +316,7 @@ def test_crash_between_the_renames_of_a_second_save_recovers(
                 raise _Killed
         real_rename(src, dst)
 
-    monkeypatch.setattr("accumix.checkpoint.os.rename", rename)
+    monkeypatch.setattr("accumix.checkpoint.save_load.os.rename", rename)
     with pytest.raises(_Killed):
         acc.save_state(run)  # the same step again
     monkeypatch.undo()

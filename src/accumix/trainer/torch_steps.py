@@ -25,8 +25,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import checkpoint
 from accumix.accelerator import Accelerator
+from accumix.checkpoint import save_load as checkpoint
 from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
 from accumix.micro_batch_probe import batch_maker, needs_choice

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from accumix.checkpoint.plain_values import numpy_floats, plain
 from accumix.errors import CheckpointError
-from accumix.plain_values import numpy_floats, plain
 from accumix.runtime import fault
 
 

@@ -35,13 +35,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from accumix import accum_steps, checkpoint_meta, rng_state, window_end
-from accumix.checkpoint_meta import FORMAT as FORMAT  # re-exported: where it was
+from accumix import accum_steps, window_end
+from accumix.checkpoint import meta as checkpoint_meta
+from accumix.checkpoint import rng_state
+from accumix.checkpoint.meta import FORMAT as FORMAT  # re-exported: where it was
+from accumix.checkpoint.plain_values import numpy_floats, plain
 from accumix.common import run_dir as layout
 from accumix.common.batch_sizes import resumed_grad_accum_steps
 from accumix.common.run_dir import alternatives, latest_checkpoint, resolve
 from accumix.errors import AccumixError, CheckpointError, ConfigError
-from accumix.plain_values import numpy_floats, plain
 from accumix.runtime import fault
 
 if TYPE_CHECKING:
