@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import accumix as ax
-from accumix.micro_batch_probe import measure
+from accumix.memory.micro_batch_probe import measure
 
 
 def main() -> None:

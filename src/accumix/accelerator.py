@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accumix import accum_steps, boundary, lifecycle, micro_step, object_setup, oom_split
+from accumix import accum_steps, boundary, lifecycle, micro_step, object_setup
 from accumix.accumulation import AccumulationWindow
 from accumix.checkpoint import model_file
 from accumix.checkpoint import save_load as checkpoint
@@ -42,8 +42,9 @@ from accumix.common.micro_batch_search import (
 from accumix.compile import CompileSetting, resolve_compile, strip_compiled
 from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
+from accumix.memory import oom_split
+from accumix.memory.peak_memory import device_total_bytes
 from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
-from accumix.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.precision.loss_scale import check_loss_scale_use
 from accumix.runtime import fault
@@ -219,7 +220,7 @@ class Accelerator:
             ConfigError: ``micro_batch_size`` is not ``"auto"``, nothing was set up, or not even
                 a micro-batch of 1 fits.
         """
-        from accumix.micro_batch_probe import find_micro_batch_size
+        from accumix.memory.micro_batch_probe import find_micro_batch_size
 
         return find_micro_batch_size(self, step, make_batch, headroom=headroom, run_dir=run_dir)
 

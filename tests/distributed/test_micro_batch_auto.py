@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.micro_batch_cache import cache_key
-from accumix.micro_batch_probe import measure
+from accumix.memory.micro_batch_cache import cache_key
+from accumix.memory.micro_batch_probe import measure
 from accumix.testing import ResidualBlock
 from tests.distributed import micro_batch_jobs
 

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.micro_batch_cache import CACHE_FILE
-from accumix.micro_batch_probe import _far_over, measure
+from accumix.memory.micro_batch_cache import CACHE_FILE
+from accumix.memory.micro_batch_probe import _far_over, measure
 
 GLOBAL = 24  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
 
@@ -92,7 +92,7 @@ def test_measured_peak_is_the_real_peak_rss_growth() -> None:
 import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 import torch
 from tests.unit.test_micro_batch_auto import _make, _set_up
-from accumix.micro_batch_probe import _far_over, measure
+from accumix.memory.micro_batch_probe import _far_over, measure
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):

@@ -221,7 +221,7 @@ def test_auto_chooses_under_memory_limit_equals_the_explicit_run_and_caches(
 
     from accumix.common.micro_batch_search import DEFAULT_HEADROOM
     from accumix.jax import micro_batch
-    from accumix.micro_batch_cache import CACHE_FILE
+    from accumix.memory.micro_batch_cache import CACHE_FILE
 
     peaks = _recipe_peaks([4, 8])
     assert peaks[4] < peaks[8], peaks
@@ -273,7 +273,7 @@ def test_auto_elastic_restart_on_two_processes_chooses_again(tmp_path) -> None:
     import json
     import os
 
-    from accumix.micro_batch_cache import CACHE_FILE
+    from accumix.memory.micro_batch_cache import CACHE_FILE
 
     tiny = [a for a in TINY if not a.startswith(("micro_batch_size", "nproc", "sample"))]
     env = {k: v for k, v in os.environ.items()

@@ -12,9 +12,9 @@ candidate with ``peak(m) <= limit x (1 - headroom)`` wins; the candidates and th
 ``micro_batch_search``'s (memory grows with ``m``, so about log2(#candidates) compilations).
 Every process chooses on its own devices, then the minimum over processes is taken (one
 all-gather), so a process with less memory never runs another K. Given a run directory, the
-answer is cached there (``accumix.micro_batch_cache``'s file and format, under ``cache_key``'s
-JAX key), so a restart with the same settings compiles nothing and one on another world size
-(or device, precision, strategy, shapes...) chooses again.
+answer is cached there (``accumix.memory.micro_batch_cache``'s file and format, under
+``cache_key``'s JAX key), so a restart with the same settings compiles nothing and one on another
+world size (or device, precision, strategy, shapes...) chooses again.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def cache_key(acc: Accelerator, state: TrainState, make_batch: MakeBatch, *,
     (its ``repr`` holds its memory settings), a one-row batch's shapes and dtypes, the state's
     shapes and dtypes (params and optimizer state: another optimizer or model needs another
     answer), the global batch, the limit, the headroom and the clipping."""
-    from accumix.micro_batch_cache import key_of
+    from accumix.memory.micro_batch_cache import key_of
 
     def shapes(tree: Any) -> str:
         return repr([(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
@@ -173,7 +173,7 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
     log.info("%s", choice.describe())
     acc._micro_batch_choice = choice  # what ``rebatched`` reads when the loader is set up
     if key is not None and jax.process_index() == 0:
-        from accumix.micro_batch_cache import write_cache
+        from accumix.memory.micro_batch_cache import write_cache
 
         write_cache(run_dir, key, agreed)
     return choice
@@ -185,7 +185,7 @@ def _cached(acc: Accelerator, sizes: list[int], run_dir: str | os.PathLike[str] 
     (one all-gather), else None: then every process compiles and chooses."""
     if key is None:
         return None
-    from accumix.micro_batch_cache import read_cache
+    from accumix.memory.micro_batch_cache import read_cache
 
     every = _all_processes([read_cache(run_dir, key) or 0])[:, 0]
     micro = int(every[0])

@@ -29,7 +29,7 @@ from accumix.accelerator import Accelerator
 from accumix.checkpoint import save_load as checkpoint
 from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
-from accumix.micro_batch_probe import batch_maker, needs_choice
+from accumix.memory.micro_batch_probe import batch_maker, needs_choice
 from accumix.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
 from accumix.trainer.metrics import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from accumix.memory import MemoryEstimate
+    from accumix.memory.model import MemoryEstimate
 
 
 def format_table(estimates: list[MemoryEstimate]) -> str:

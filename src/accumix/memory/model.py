@@ -2,7 +2,7 @@
 
 Counts the *model states* one data-parallel rank holds (parameters, gradients, optimizer states)
 the way the ZeRO paper does, plus an activation estimate the caller supplies. Imports only
-``accumix.errors``, ``param_counts`` and ``memory_table`` from accumix, none of which loads torch;
+``accumix.errors``, ``param_counts`` and ``table`` from accumix, none of which loads torch;
 torch only where a torch model or device is passed (the JAX backend sizes its strategies from a
 parameter count).
 """
@@ -17,12 +17,12 @@ if TYPE_CHECKING:  # torch loads lazily: the JAX backend sizes its strategies wi
     import torch
     from torch import nn
 
-# The ``x as x`` names are re-exported: callers size models and print tables via accumix.memory.
+# The ``x as x`` names are re-exported: callers size models and print tables through this module.
 from accumix.errors import ConfigError
-from accumix.memory_table import format_table as format_table
-from accumix.param_counts import count_params as count_params
-from accumix.param_counts import gathered_params as gathered_params
-from accumix.param_counts import repeated_blocks as repeated_blocks
+from accumix.memory.param_counts import count_params as count_params
+from accumix.memory.param_counts import gathered_params as gathered_params
+from accumix.memory.param_counts import repeated_blocks as repeated_blocks
+from accumix.memory.table import format_table as format_table
 
 # ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models", sections 3.1 and 5.1): mixed-precision Adam holds 2 (fp16 params) + 2 (fp16 grads) +

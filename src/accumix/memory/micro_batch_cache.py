@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from accumix.peak_memory import device_model
+from accumix.memory.peak_memory import device_model
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator

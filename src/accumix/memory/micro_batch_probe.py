@@ -64,7 +64,7 @@ from accumix.common.micro_batch_search import (
 )
 from accumix.data.loader import move_to_device
 from accumix.errors import AccumixError, ConfigError
-from accumix.micro_batch_agreement import (
+from accumix.memory.micro_batch_agreement import (
     ERROR,
     OOM,
     Agreement,
@@ -72,8 +72,8 @@ from accumix.micro_batch_agreement import (
     ProbeError,
     checkpoint_hooks,
 )
-from accumix.micro_batch_cache import cache_key, read_cache, write_cache
-from accumix.peak_memory import PeakMeter, release_cached
+from accumix.memory.micro_batch_cache import cache_key, read_cache, write_cache
+from accumix.memory.peak_memory import PeakMeter, release_cached
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
