@@ -28,8 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from accumix import accum_steps, boundary, lifecycle, micro_step, object_setup
-from accumix.accumulation import AccumulationWindow
 from accumix.checkpoint import model_file
 from accumix.checkpoint import save_load as checkpoint
 from accumix.common.micro_batch_search import (
@@ -39,17 +37,19 @@ from accumix.common.micro_batch_search import (
     is_auto,
     parse_memory_limit,
 )
-from accumix.compile import CompileSetting, resolve_compile, strip_compiled
 from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
 from accumix.memory import oom_split
 from accumix.memory.peak_memory import device_total_bytes
-from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.precision.loss_scale import check_loss_scale_use
 from accumix.runtime import fault
 from accumix.runtime.env import detect_launch_env, init_process_group, pick_device, seed_everything
 from accumix.runtime.logging_setup import configure_logging
+from accumix.step import accum_steps, boundary, lifecycle, micro_step, object_setup
+from accumix.step.accumulation import AccumulationWindow
+from accumix.step.compile import CompileSetting, resolve_compile, strip_compiled
+from accumix.step.optim import AcceleratedOptimizer, AcceleratedScheduler
 from accumix.strategies import Strategy, resolve_strategy
 
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accumix import accum_steps, window_end
 from accumix.common.run_dir import META, alternatives
 from accumix.errors import CheckpointError
+from accumix.step import accum_steps, window_end
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from accumix import accum_steps, window_end
 from accumix.checkpoint import meta as checkpoint_meta
 from accumix.checkpoint import rng_state
 from accumix.checkpoint.meta import FORMAT as FORMAT  # re-exported: where it was
@@ -45,6 +44,7 @@ from accumix.common.batch_sizes import resumed_grad_accum_steps
 from accumix.common.run_dir import alternatives, latest_checkpoint, resolve
 from accumix.errors import AccumixError, CheckpointError, ConfigError
 from accumix.runtime import fault
+from accumix.step import accum_steps, window_end
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator

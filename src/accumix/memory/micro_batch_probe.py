@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from accumix import accum_steps
 from accumix.checkpoint import rng_state
 from accumix.common.micro_batch_search import (
     DEFAULT_HEADROOM,
@@ -74,6 +73,7 @@ from accumix.memory.micro_batch_agreement import (
 )
 from accumix.memory.micro_batch_cache import cache_key, read_cache, write_cache
 from accumix.memory.peak_memory import PeakMeter, release_cached
+from accumix.step import accum_steps
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.accumulation import rescale_grads_
-from accumix.compile import Compiler
 from accumix.errors import ConfigError
 from accumix.precision import LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
 from accumix.runtime.env import LaunchEnv
+from accumix.step.accumulation import rescale_grads_
+from accumix.step.compile import Compiler
 from accumix.strategies.norm_layers import broadcast_buffers_
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
-from accumix.compile import Compiler
 from accumix.errors import ConfigError
 from accumix.memory.param_counts import repeated_blocks
+from accumix.step.compile import Compiler
 from accumix.strategies.base import Strategy, grad_mark
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_units

@@ -30,7 +30,7 @@ from accumix.checkpoint import save_load as checkpoint
 from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
 from accumix.memory.micro_batch_probe import batch_maker, needs_choice
-from accumix.optim import AcceleratedOptimizer
+from accumix.step.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
 from accumix.trainer.metrics import (
     WindowMeter,

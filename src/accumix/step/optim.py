@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix import window_end
-from accumix.boundary import WindowGrads
+from accumix.step import window_end
+from accumix.step.boundary import WindowGrads
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator

@@ -14,12 +14,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import accum_steps
 from accumix.common.micro_batch_search import is_auto
-from accumix.compile import split_compiled
 from accumix.data.loader import AcceleratedDataLoader, with_batch_size
 from accumix.errors import ConfigError
-from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
+from accumix.step import accum_steps
+from accumix.step.compile import split_compiled
+from accumix.step.optim import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
 from accumix.strategies.registry import agreed_free_bytes, choose_auto_strategy
 
 if TYPE_CHECKING:

@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accumix import window_end
 from accumix.errors import AccumixError, ConfigError
+from accumix.step import window_end
 from accumix.strategies.base import params_of
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
-    from accumix.accumulation import AccumulationWindow
-    from accumix.optim import AcceleratedOptimizer
+    from accumix.step.accumulation import AccumulationWindow
+    from accumix.step.optim import AcceleratedOptimizer
     from accumix.strategies.base import Strategy
 
 Number = int | float

@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
-    from accumix.optim import AcceleratedOptimizer
+    from accumix.step.optim import AcceleratedOptimizer
 
 
 def zero_grad(acc: Accelerator, optimizer: AcceleratedOptimizer, set_to_none: bool) -> None:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from accumix import boundary, window_end
 from accumix.common.micro_batch_search import is_auto
 from accumix.errors import AccumixError, ConfigError
+from accumix.step import boundary, window_end
 
 if TYPE_CHECKING:
     from accumix.accelerator import Accelerator
