@@ -65,10 +65,10 @@ def _val_losses(weights: Path) -> tuple[float, float]:
     """The validation loss of ``weights`` under each backend (fp32, the same held-out files)."""
     import accumix as ax
     import accumix.jax as axj
-    from accumix.jax.trainer_steps import JaxSteps
     from accumix.recipes import default, default_jax
     from accumix.trainer.config import load_config
     from accumix.trainer.evaluation import evaluate
+    from accumix.trainer.jax_steps import JaxSteps
 
     config = load_config(default.TrainConfig, None, [*TINY, f"init_from={weights}"])
     files = default.text_files(config.data)
@@ -152,8 +152,8 @@ def test_weights_of_another_shape_exit_2_with_one_line(tmp_path, capsys) -> None
 
 def test_sigterm_saves_at_the_next_read_and_exits_0(tmp_path, capsys) -> None:
     """A pre-emption signal (the flag its handler sets) saves the state and exits 0."""
-    from accumix.jax.trainer_steps import JaxSteps
     from accumix.trainer import Callback
+    from accumix.trainer.jax_steps import JaxSteps
 
     class Signal(Callback):
         def on_optimizer_step(self, trainer, metrics):
