@@ -210,7 +210,7 @@ def test_preemption_saves_at_the_next_boundary(saved: tuple[Any, Path], tmp_path
     sent = []
 
     def sigterm_in_window_5(acc: ax.Accelerator) -> None:
-        if acc.optimizer_steps == 4 and acc._window.micro_step == 1 and not sent:
+        if acc.optimizer_steps == 4 and acc._run.window.micro_step == 1 and not sent:
             sent.append(os.kill(os.getpid(), signal.SIGTERM))
         if handler.triggered:
             raise StopIteration

@@ -16,7 +16,7 @@ from accumix.errors import CheckpointError
 from accumix.step import accum_steps, window_end
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 FORMAT = 1
 # Formats this accumix no longer reads: what wrote them and what still loads them.
@@ -31,46 +31,46 @@ _STATE_KEYS = ("optimizer_steps", "step_was_skipped", "window", "scaler", "model
                "optimizers", "schedulers", "loaders")
 
 
-def metadata(acc: Accelerator, empty: list[bool]) -> dict[str, Any]:
+def metadata(run: RunState, empty: list[bool]) -> dict[str, Any]:
     """The ``meta.json`` of the checkpoint ``save_state`` writes (``empty``: which optimizers
     had no state before the save)."""
     from accumix import __version__
 
-    loaders = [{**loader.state_dict(), **loader.sampling_state()} for loader in acc._loaders]
+    loaders = [{**loader.state_dict(), **loader.sampling_state()} for loader in run.loaders]
     return {
         "format": FORMAT,
         "accumix_version": __version__,
         "torch_version": torch.__version__,
-        "step": acc.optimizer_steps,
+        "step": run.optimizer_steps,
         "epoch": loaders[0]["epoch"] if loaders else None,
         "position": loaders[0]["position"] if loaders else None,
-        "world_size": acc.world_size,
-        "strategy": acc.strategy.name,
-        "checkpoint_format": acc.strategy.checkpoint_format,
-        "precision": acc.policy.name,
-        "grad_accum_steps": acc.grad_accum_steps,
-        "grad_accum": accum_steps.geometry(acc),
+        "world_size": run.world_size,
+        "strategy": run.strategy.name,
+        "checkpoint_format": run.strategy.checkpoint_format,
+        "precision": run.policy.name,
+        "grad_accum_steps": run.grad_accum_steps,
+        "grad_accum": accum_steps.geometry(run),
         "state": {
-            "optimizer_steps": acc.optimizer_steps,
-            "step_was_skipped": acc.step_was_skipped,
-            "window": acc._window.state_dict(),
-            "scaler": acc.strategy.scaler.state_dict(),
+            "optimizer_steps": run.optimizer_steps,
+            "step_was_skipped": run.step_was_skipped,
+            "window": run.window.state_dict(),
+            "scaler": run.strategy.scaler.state_dict(),
             # The last window's overflow when its scale update still waits for a step or a
             # zero_grad (the save came between them): the resumed run makes that update.
-            "pending_scale_update": window_end.pending_overflow(acc),
-            "models": len(acc._models),
+            "pending_scale_update": window_end.pending_overflow(run),
+            "models": len(run.models),
             "optimizers": [{"stepped_window": o.stepped_window, "empty": e}
-                           for o, e in zip(acc._optimizers, empty, strict=True)],
+                           for o, e in zip(run.optimizers, empty, strict=True)],
             # The state itself is in schedulers.pt; these are for a reader (and the type check).
             "schedulers": [{"type": type(s.scheduler).__name__,
                             "last_epoch": getattr(s.scheduler, "last_epoch", None),
-                            "stepped_window": s._stepped_window} for s in acc._schedulers],
+                            "stepped_window": s._stepped_window} for s in run.schedulers],
             "loaders": loaders,
         },
     }
 
 
-def validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
+def validate(run: RunState, step_dir: Path) -> dict[str, Any]:
     """``step_dir``'s ``meta.json``, checked against the files beside it and ``acc``'s set-up
     objects; raises ``CheckpointError`` naming the first mismatch."""
     meta_path = step_dir / META
@@ -102,20 +102,20 @@ def validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
             path=step_dir, version=meta.get("accumix_version"), world=meta["world_size"]))
     expected = {
         "format": FORMAT,
-        "checkpoint_format": acc.strategy.checkpoint_format,
-        "precision": acc.policy.name,
+        "checkpoint_format": run.strategy.checkpoint_format,
+        "precision": run.policy.name,
     }
     for key, mine in expected.items():
         if meta.get(key) != mine:
             raise CheckpointError(
                 f"{meta_path} has {key}={meta.get(key)!r} but this run has {mine!r} "
-                f"(strategy {acc.strategy.name!r}); resume with the settings it was saved with"
+                f"(strategy {run.strategy.name!r}); resume with the settings it was saved with"
             )
     counts = {
-        "models": (state["models"], len(acc._models)),
-        "optimizers": (len(state["optimizers"]), len(acc._optimizers)),
-        "LR schedulers": (len(state["schedulers"]), len(acc._schedulers)),
-        "DataLoaders": (len(state["loaders"]), len(acc._loaders)),
+        "models": (state["models"], len(run.models)),
+        "optimizers": (len(state["optimizers"]), len(run.optimizers)),
+        "LR schedulers": (len(state["schedulers"]), len(run.schedulers)),
+        "DataLoaders": (len(state["loaders"]), len(run.loaders)),
     }
     for what, (saved, mine) in counts.items():
         if saved != mine:
@@ -123,7 +123,7 @@ def validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
                 f"{meta_path} holds {saved} {what} but this run set up {mine}; "
                 "call acc.setup with the same objects before acc.load_state"
             )
-    for index, (saved, sched) in enumerate(zip(state["schedulers"], acc._schedulers,
+    for index, (saved, sched) in enumerate(zip(state["schedulers"], run.schedulers,
                                                strict=True)):
         mine = type(sched.scheduler).__name__
         if saved.get("type", mine) != mine:
@@ -131,6 +131,6 @@ def validate(acc: Accelerator, step_dir: Path) -> dict[str, Any]:
                 f"{meta_path} holds a {saved['type']} as LR scheduler {index} but this run set "
                 f"up a {mine}; set up the scheduler the checkpoint was saved with"
             )
-    if not (step_dir / f"rank-{acc.rank % meta['world_size']}.pt").is_file():
-        raise CheckpointError(f"{step_dir}/rank-{acc.rank % meta['world_size']}.pt is missing")
+    if not (step_dir / f"rank-{run.rank % meta['world_size']}.pt").is_file():
+        raise CheckpointError(f"{step_dir}/rank-{run.rank % meta['world_size']}.pt is missing")
     return meta

@@ -13,30 +13,31 @@ from torch import nn
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
+    from accumix.strategies.base import Strategy
 
 
-def save_model(acc: Accelerator, directory: str | os.PathLike[str], model: nn.Module | None
+def save_model(run: RunState, directory: str | os.PathLike[str], model: nn.Module | None
                ) -> Path:
     """``acc.save_model(directory, model)``: collective; rank 0 writes; returns the path."""
     if model is None:
-        if len(acc._models) != 1:
+        if len(run.models) != 1:
             raise ConfigError(
-                f"save_model needs model= when {len(acc._models)} models are set up"
+                f"save_model needs model= when {len(run.models)} models are set up"
             )
-        model = acc._models[0]
-    return write_full_state(acc, acc.strategy.full_state_dict(model), directory)
+        model = run.models[0]
+    return write_full_state(run.strategy, run.strategy.full_state_dict(model), directory)
 
 
-def write_full_state(acc: Accelerator, state: dict[str, torch.Tensor],
+def write_full_state(strategy: Strategy, state: dict[str, torch.Tensor],
                      directory: str | os.PathLike[str]) -> Path:
     """Writes a full (unsharded) state dict as ``directory/model.safetensors``: rank 0 writes,
     every rank waits (collective). Returns the file's path."""
     path = Path(directory) / "model.safetensors"
-    if acc.is_main_process:
+    if strategy.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Copies: safetensors refuses tensors that share storage (tied embeddings).
         tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
         save_file(tensors, str(path), metadata={"format": "pt"})
-    acc.barrier()
+    strategy.barrier()
     return path

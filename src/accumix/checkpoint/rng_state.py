@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 
-def capture(acc: Accelerator) -> dict[str, Any]:
+def capture(run: RunState) -> dict[str, Any]:
     """This rank's RNG states."""
     version, mt_state, gauss = random.getstate()
     kind, key, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
@@ -26,12 +26,12 @@ def capture(acc: Accelerator) -> dict[str, Any]:
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "loaders": [loader.loader.generator.get_state()
                     if loader.loader.generator is not None else None
-                    for loader in acc._loaders],
+                    for loader in run.loaders],
     }
     return state
 
 
-def restore(acc: Accelerator, state: dict[str, Any]) -> None:
+def restore(run: RunState, state: dict[str, Any]) -> None:
     """Sets what ``capture`` returned; last in a load (nothing may draw after it)."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
@@ -41,6 +41,6 @@ def restore(acc: Accelerator, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
-    for loader, gen_state in zip(acc._loaders, state["loaders"], strict=False):
+    for loader, gen_state in zip(run.loaders, state["loaders"], strict=False):
         if gen_state is not None and loader.loader.generator is not None:
             loader.loader.generator.set_state(gen_state)

@@ -47,7 +47,7 @@ from accumix.runtime import fault
 from accumix.step import accum_steps, window_end
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_state", "resolve", "save_state"]
 
@@ -58,7 +58,7 @@ SCHEDULERS = "schedulers.pt"
 
 
 # -- save ------------------------------------------------------------------------------------
-def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int | None = None,
+def save_state(run: RunState, run_dir: str | os.PathLike[str], keep_last: int | None = None,
                *, extra_state: dict[str, Any] | None = None,
                before_publish: Callable[[Path], None] | None = None) -> Path:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
@@ -67,63 +67,63 @@ def save_state(acc: Accelerator, run_dir: str | os.PathLike[str], keep_last: int
     files into the temporary step directory: they are listed in its manifest and published with
     it (the Trainer's ``on_write_checkpoint``).
     """
-    _check_between_windows(acc, "save_state")
+    _check_between_windows(run, "save_state")
     if extra_state is not None:
         extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
-    window_end.close_window(acc, window_over=False)  # the scale the next window uses
+    window_end.close_window(run, window_over=False)  # the scale the next window uses
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
     # Refusals that every rank reaches alike, before anything is written: a checkpoint that
     # could not be loaded must not replace one that can.
-    for index, loader in enumerate(acc._loaders):
+    for index, loader in enumerate(run.loaders):
         loader.check_savable(f"DataLoader {index}")
-    schedulers = _scheduler_states(acc)
+    schedulers = _scheduler_states(run)
     run_dir = Path(run_dir)
-    step = acc.optimizer_steps
+    step = run.optimizer_steps
     final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"
-    strategy, rank = acc.strategy, acc.rank
+    strategy, rank = run.strategy, run.rank
 
     def prepare() -> None:
         layout.prepare(run_dir, tmp)
 
-    _agree(acc, prepare if rank == 0 else None, f"preparing {tmp}")
-    optimizers = [o.optimizer for o in acc._optimizers]
+    _agree(run, prepare if rank == 0 else None, f"preparing {tmp}")
+    optimizers = [o.optimizer for o in run.optimizers]
     empty = [not o.state for o in optimizers]
-    with fault.phase(acc, "acc.save_state, writing the models and optimizers"):
-        strategy.save_checkpoint(str(tmp / MODEL_DIR), acc._models, optimizers)
+    with fault.phase(run, "acc.save_state, writing the models and optimizers"):
+        strategy.save_checkpoint(str(tmp / MODEL_DIR), run.models, optimizers)
     _reset_unstepped(optimizers, empty)
 
     def write_rank_files() -> None:
-        _write_tensors(tmp / f"rank-{rank}.pt", rng_state.capture(acc))
+        _write_tensors(tmp / f"rank-{rank}.pt", rng_state.capture(run))
         if rank == 0 and schedulers:
             _write_tensors(tmp / SCHEDULERS, schedulers)
 
-    _agree(acc, write_rank_files, f"writing {tmp}/rank-*.pt")
+    _agree(run, write_rank_files, f"writing {tmp}/rank-*.pt")
     if before_publish is not None:
-        _agree(acc, lambda: before_publish(tmp), f"writing the callbacks' files into {tmp}")
-    meta = checkpoint_meta.metadata(acc, empty)
+        _agree(run, lambda: before_publish(tmp), f"writing the callbacks' files into {tmp}")
+    meta = checkpoint_meta.metadata(run, empty)
     if extra_state is not None:
         meta["extra_state"] = extra_state
 
     def publish() -> None:
         layout.publish(run_dir, tmp, final, meta, keep_last)
 
-    _agree(acc, publish if rank == 0 else None, f"publishing {final}")
+    _agree(run, publish if rank == 0 else None, f"publishing {final}")
     return final
 
 
-def _check_between_windows(acc: Accelerator, what: str) -> None:
-    if acc._in_micro_step or acc._window.micro_step:
+def _check_between_windows(run: RunState, what: str) -> None:
+    if run.in_micro_step or run.window.micro_step:
         raise AccumixError(
             f"acc.{what}() was called inside an accumulation window (micro-step "
-            f"{acc._window.micro_step} of {acc.grad_accum_steps}), whose gradients a checkpoint "
+            f"{run.window.micro_step} of {run.grad_accum_steps}), whose gradients a checkpoint "
             "does not hold; call it after the `with acc.accumulate():` block of a boundary "
             "(when acc.sync_gradients is True)"
         )
 
 
-def _agree(acc: Accelerator, fn: Callable[[], None] | None, what: str) -> None:
+def _agree(run: RunState, fn: Callable[[], None] | None, what: str) -> None:
     """Runs ``fn`` here, then every rank learns whether any rank failed (no rank left waiting
     in a collective the failed one never reaches)."""
     error = None
@@ -132,8 +132,8 @@ def _agree(acc: Accelerator, fn: Callable[[], None] | None, what: str) -> None:
             fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"{type(exc).__name__}: {exc}"
-    with fault.phase(acc, f"acc.save_state, {what}"):
-        errors = acc.strategy.all_gather_object(error)
+    with fault.phase(run, f"acc.save_state, {what}"):
+        errors = run.strategy.all_gather_object(error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
@@ -148,13 +148,13 @@ def _reset_unstepped(optimizers: list[Optimizer], empty: list[bool]) -> None:
             opt.state.clear()
 
 
-def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
+def _scheduler_states(run: RunState) -> list[dict[str, Any]]:
     """Every scheduler's state_dict, checked to load back with ``weights_only=True``."""
     # base_lrs copied from a numpy learning rate are numpy scalars: stored as Python numbers.
     states = [plain(s.state_dict(), f"LR scheduler {i}'s state_dict")
-              for i, s in enumerate(acc._schedulers)]
+              for i, s in enumerate(run.schedulers)]
     buffer = io.BytesIO()
-    for index, (sched, state) in enumerate(zip(acc._schedulers, states, strict=True)):
+    for index, (sched, state) in enumerate(zip(run.schedulers, states, strict=True)):
         buffer.seek(0)
         buffer.truncate()
         try:
@@ -173,22 +173,22 @@ def _scheduler_states(acc: Accelerator) -> list[dict[str, Any]]:
 
 
 # -- load ------------------------------------------------------------------------------------
-def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = True) -> Path:
+def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True) -> Path:
     """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
-    _check_between_windows(acc, "load_state")
-    window_end.close_window(acc)  # nothing of the last window applies to the loaded state
+    _check_between_windows(run, "load_state")
+    window_end.close_window(run)  # nothing of the last window applies to the loaded state
     step_dir: Path | None = None
     meta: dict[str, Any] = {}
     rng: dict[str, Any] = {}
     schedulers: list[dict[str, Any]] = []
-    steps = acc.grad_accum_steps
+    steps = run.grad_accum_steps
     error: tuple[bool, str] | None = None
     try:  # everything that can be checked before anything is changed
         step_dir = resolve(path)
-        meta = checkpoint_meta.validate(acc, step_dir)
-        rng = _read_tensors(step_dir / f"rank-{acc.rank % meta['world_size']}.pt")
+        meta = checkpoint_meta.validate(run, step_dir)
+        rng = _read_tensors(step_dir / f"rank-{run.rank % meta['world_size']}.pt")
         schedulers = _saved_scheduler_states(step_dir, meta)
-        for index, (loader, saved) in enumerate(zip(acc._loaders, meta["state"]["loaders"],
+        for index, (loader, saved) in enumerate(zip(run.loaders, meta["state"]["loaders"],
                                                     strict=True)):
             loader.check_state(saved, f"DataLoader {index}")
     except (CheckpointError, ConfigError) as exc:
@@ -196,22 +196,22 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
     if error is None and "grad_accum" in meta:  # older checkpoints did not record K's source
         try:
             steps = resumed_grad_accum_steps(
-                meta["grad_accum"], accum_steps.geometry(acc),
-                global_batch_size=acc._batch_sizes[1], assigned=acc._steps_assigned)
+                meta["grad_accum"], accum_steps.geometry(run),
+                global_batch_size=run.batch_sizes[1], assigned=run.steps_assigned)
         except ConfigError as exc:
             error = (True, f"acc.load_state({str(path)!r}): {exc}")
-    with fault.phase(acc, "acc.load_state, checking the checkpoint"):
-        errors = acc.strategy.all_gather_object(error)  # every rank refuses, or none does
+    with fault.phase(run, "acc.load_state, checking the checkpoint"):
+        errors = run.strategy.all_gather_object(error)  # every rank refuses, or none does
     if any(errors):
         is_config, message = next(e for e in errors if e)
         raise (ConfigError if is_config else CheckpointError)(message)
     assert step_dir is not None
-    optimizers = [o.optimizer for o in acc._optimizers]
+    optimizers = [o.optimizer for o in run.optimizers]
     empty_before = [not o.state for o in optimizers]
     try:
-        with fault.phase(acc, "acc.load_state, reading the models and optimizers"):
+        with fault.phase(run, "acc.load_state, reading the models and optimizers"):
             # strict=False only when asked: a Strategy of the user's may not take the keyword.
-            acc.strategy.load_checkpoint(str(step_dir / MODEL_DIR), acc._models, optimizers,
+            run.strategy.load_checkpoint(str(step_dir / MODEL_DIR), run.models, optimizers,
                                          **({} if strict else {"strict": False}))
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -226,29 +226,29 @@ def load_state(acc: Accelerator, path: str | os.PathLike[str], strict: bool = Tr
         ) from exc
     state = meta["state"]
     _reset_unstepped(optimizers, [o["empty"] for o in state["optimizers"]])
-    for opt, saved in zip(acc._optimizers, state["optimizers"], strict=True):
+    for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
         opt.stepped_window = saved["stepped_window"]
-    for sched, saved, sched_state in zip(acc._schedulers, state["schedulers"], schedulers,
+    for sched, saved, sched_state in zip(run.schedulers, state["schedulers"], schedulers,
                                          strict=True):
         sched.load_state_dict(sched_state)
         sched._stepped_window = saved["stepped_window"]
-    acc.strategy.scaler.load_state_dict(state["scaler"])
-    window_end.set_pending_overflow(acc, state.get("pending_scale_update"))
-    acc._window.load_state_dict(state["window"])
-    if steps != acc.grad_accum_steps:
+    run.strategy.scaler.load_state_dict(state["scaler"])
+    window_end.set_pending_overflow(run, state.get("pending_scale_update"))
+    run.window.load_state_dict(state["window"])
+    if steps != run.grad_accum_steps:
         log.info("grad_accum_steps=%d restored from %s (this run was set up with %d)", steps,
-                 step_dir, acc.grad_accum_steps)
-        acc._window.grad_accum_steps = steps
-    acc.optimizer_steps = state["optimizer_steps"]
-    acc.step_was_skipped = state["step_was_skipped"]
-    for loader, saved in zip(acc._loaders, state["loaders"], strict=True):
+                 step_dir, run.grad_accum_steps)
+        run.window.grad_accum_steps = steps
+    run.optimizer_steps = state["optimizer_steps"]
+    run.step_was_skipped = state["step_was_skipped"]
+    for loader, saved in zip(run.loaders, state["loaders"], strict=True):
         loader.load_state_dict(saved)
     # Last: nothing above may draw from the generators once they hold the saved streams.
-    rng_state.restore(acc, rng)
+    rng_state.restore(run, rng)
     saved_world = meta["world_size"]
-    if saved_world != acc.world_size:
+    if saved_world != run.world_size:
         log.info("loaded %s saved on %d ranks into %d; ranks >= %d took the RNG streams of "
-                 "rank (rank %% %d)", step_dir, saved_world, acc.world_size, saved_world,
+                 "rank (rank %% %d)", step_dir, saved_world, run.world_size, saved_world,
                  saved_world)
     return step_dir
 

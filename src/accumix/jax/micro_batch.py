@@ -66,12 +66,12 @@ def compiled_peak_bytes(compiled: Any) -> int:
 def window_peak_bytes(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatch,
                       micro_batch_size: int, *, clip_norm: float | None) -> int:
     """``peak(m)``: the window step for ``micro_batch_size`` rows, compiled, not run."""
-    global_batch = acc._batch_sizes[1]
+    global_batch = acc.global_batch_size
     assert global_batch is not None
     steps = global_batch // (acc.world_size * micro_batch_size)
-    jitted = build_step(loss_fn, optimizer=acc._optimizer, strategy=acc.strategy,
+    jitted = build_step(loss_fn, optimizer=acc.optimizer, strategy=acc.strategy,
                         policy=acc.policy, scaler=acc.scaler, grad_accum_steps=steps,
-                        clip_norm=clip_norm, state_shardings=acc._shardings)
+                        clip_norm=clip_norm, state_shardings=acc.state_shardings)
     batch = make_batch(micro_batch_size)
     window = make_window([batch] * steps, grad_accum_steps=steps, strategy=acc.strategy,
                          local_devices=acc.local_devices)
@@ -95,8 +95,8 @@ def cache_key(acc: Accelerator, state: TrainState, make_batch: MakeBatch, *,
              "device": f"{device.platform}:{device.device_kind}",
              "precision": acc.policy.name, "strategy": repr(acc.strategy),
              "shapes": shapes(make_batch(1)), "params": shapes(state.params),
-             "optimizer": shapes(state.opt_state), "global_batch": acc._batch_sizes[1],
-             "limit": acc._memory_limit, "headroom": headroom, "clip_norm": clip_norm}
+             "optimizer": shapes(state.opt_state), "global_batch": acc.global_batch_size,
+             "limit": acc.memory_limit, "headroom": headroom, "clip_norm": clip_norm}
     return key_of(parts)
 
 
@@ -124,14 +124,14 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
             not even one row fits on some process; a ``headroom`` outside [0, 1).
     """
     check_headroom(headroom)
-    micro, limit_bytes = acc._batch_sizes[2], acc._memory_limit
-    if not is_auto(micro) or acc._optimizer is None:
+    micro, limit_bytes = acc.micro_batch_size, acc.memory_limit
+    if not is_auto(micro) or acc.optimizer is None:
         raise ConfigError("find_micro_batch_size needs micro_batch_size='auto' and "
                           f"acc.setup(params, optimizer) first (micro_batch_size={micro!r})")
     if limit_bytes is None:
         raise ConfigError("micro_batch_size='auto': this device reports no memory size; pass "
                           "memory_limit= in bytes")
-    global_batch = acc._batch_sizes[1]
+    global_batch = acc.global_batch_size
     assert global_batch is not None
     # A process's rows are split over its devices: only multiples of their count can run.
     sizes = [m for m in candidates(global_batch, acc.world_size) if m % acc.local_devices == 0]
@@ -171,7 +171,6 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
         peak_bytes=int(at_choice[tightest, 0]), limit_bytes=int(at_choice[tightest, 1]),
         tightest_rank=tightest, probes=int(every[:, 1].max()))
     log.info("%s", choice.describe())
-    acc._micro_batch_choice = choice  # what ``rebatched`` reads when the loader is set up
     if key is not None and jax.process_index() == 0:
         from accumix.memory.micro_batch_cache import write_cache
 
@@ -191,27 +190,26 @@ def _cached(acc: Accelerator, sizes: list[int], run_dir: str | os.PathLike[str] 
     micro = int(every[0])
     if micro not in sizes or (every != micro).any():
         return None
-    global_batch = acc._batch_sizes[1]
-    assert global_batch is not None and acc._memory_limit is not None
+    global_batch = acc.global_batch_size
+    assert global_batch is not None and acc.memory_limit is not None
     choice = MicroBatchChoice(
         micro_batch_size=micro, grad_accum_steps=global_batch // (acc.world_size * micro),
         dp_world_size=acc.world_size, global_batch_size=global_batch, peak_bytes=0,
-        limit_bytes=acc._memory_limit, tightest_rank=0, probes=0)
+        limit_bytes=acc.memory_limit, tightest_rank=0, probes=0)
     log.info("%s (cached in %s)", choice.describe().split(":")[0], run_dir)
-    acc._micro_batch_choice = choice
     return choice
 
 
-def rebatched(acc: Accelerator, loader: Any) -> Any:
+def rebatched(choice: MicroBatchChoice | None, loader: Any) -> Any:
     """The user's DataLoader at the micro-batch ``auto`` chose (whatever batch size it was
     given): the same dataset, sampler (shuffle, generator), collate_fn, workers, so the same
     exact-resume rules (``accumix.data.loader.with_batch_size``); as given when nothing was
     chosen."""
-    if getattr(acc, "_micro_batch_choice", None) is None:
+    if choice is None:
         return loader
     from accumix.data.loader import with_batch_size
 
-    return with_batch_size(loader, acc._micro_batch_choice.micro_batch_size)
+    return with_batch_size(loader, choice.micro_batch_size)
 
 
 def _all_processes(row: list[int]) -> np.ndarray:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 
 class PeerFailed(Exception):
@@ -34,15 +34,15 @@ class Agreement:
     ``kind`` is the highest failure flag seen (0: none, ``OOM``, ``ERROR``), the same on every
     rank."""
 
-    def __init__(self, acc: Accelerator) -> None:
-        self.acc = acc
+    def __init__(self, run: RunState) -> None:
+        self.run = run
         self.stopped = False
         self.kind = 0.0
 
     def gather(self, flag: float = 0.0, peak: int = 0, limit: int = 0) -> list[list[float]]:
         row = torch.tensor([flag, float(peak), float(limit)], dtype=torch.float64,
-                           device=self.acc.device)
-        rows = [r.tolist() for r in self.acc.strategy.all_gather(row)]
+                           device=self.run.device)
+        rows = [r.tolist() for r in self.run.strategy.all_gather(row)]
         self.kind = max(row[0] for row in rows)
         return rows
 
@@ -69,7 +69,7 @@ class Agreement:
 
 
 @contextmanager
-def checkpoint_hooks(acc: Accelerator, agreement: Agreement) -> Iterator[None]:
+def checkpoint_hooks(run: RunState, agreement: Agreement) -> Iterator[None]:
     """A checkpoint before each communicating unit's forward, after it and before its
     backward."""
 
@@ -88,8 +88,8 @@ def checkpoint_hooks(acc: Accelerator, agreement: Agreement) -> Iterator[None]:
             tensor.register_hook(lambda grad: (agreement.checkpoint(), grad)[1])
 
     handles = []
-    for model in acc._models:
-        for unit in acc.strategy.probe_units(model):
+    for model in run.models:
+        for unit in run.strategy.probe_units(model):
             handles.append(unit.register_forward_pre_hook(before_forward, prepend=True))
             handles.append(unit.register_forward_hook(after_forward, prepend=True))
     try:

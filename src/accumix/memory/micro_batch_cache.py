@@ -16,12 +16,12 @@ from torch.utils._pytree import tree_leaves
 from accumix.memory.peak_memory import device_model
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 CACHE_FILE = "micro_batch_auto.json"
 
 
-def cache_key(acc: Accelerator, sample: Any, global_batch: int, headroom: float) -> str:
+def cache_key(run: RunState, sample: Any, global_batch: int, headroom: float) -> str:
     """What the answer depends on: world, precision, strategy and its memory settings
     (``Strategy.probe_settings``), the shapes of a one-row batch
     (``sample``), the device model, the parameters' shapes and dtypes, the optimizers, the
@@ -32,16 +32,16 @@ def cache_key(acc: Accelerator, sample: Any, global_batch: int, headroom: float)
     # the same size but other shapes (wider activations) or dtype, a frozen part or another
     # optimizer's states needs another answer, which a parameter count alone would not key.
     params = repr([(tuple(p.shape), str(p.dtype), p.requires_grad)
-                   for model in acc._models for p in model.parameters()])
-    optimizers = [type(acc.strategy.state_optimizer(o.optimizer)).__name__
-                  for o in acc._optimizers]
-    parts = {"world": acc.strategy.dp_world_size, "precision": acc.policy.name,
-             "strategy": acc.strategy.name, "shapes": repr(shapes),
+                   for model in run.models for p in model.parameters()])
+    optimizers = [type(run.strategy.state_optimizer(o.optimizer)).__name__
+                  for o in run.optimizers]
+    parts = {"world": run.strategy.dp_world_size, "precision": run.policy.name,
+             "strategy": run.strategy.name, "shapes": repr(shapes),
              # Its memory settings: a DeepSpeed bucket size, FSDP's activation checkpointing.
-             "strategy_settings": acc.strategy.probe_settings(),
-             "device": device_model(acc.device), "params": params,
+             "strategy_settings": run.strategy.probe_settings(),
+             "device": device_model(run.device), "params": params,
              "optimizers": optimizers,
-             "global_batch": global_batch, "limit": acc._memory_limit, "headroom": headroom}
+             "global_batch": global_batch, "limit": run.memory_limit, "headroom": headroom}
     return key_of(parts)
 
 

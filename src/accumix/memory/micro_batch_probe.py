@@ -76,7 +76,7 @@ from accumix.memory.peak_memory import PeakMeter, release_cached
 from accumix.step import accum_steps
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 log = logging.getLogger("accumix")
 
@@ -84,28 +84,28 @@ StepFn = Callable[[Any], Any]
 MakeBatch = Callable[[int], Any]
 
 
-def find_micro_batch_size(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
+def find_micro_batch_size(run: RunState, step: StepFn, make_batch: MakeBatch, *,
                           headroom: float, run_dir: str | os.PathLike[str] | None) -> int:
     """``Accelerator.find_micro_batch_size``: chooses, then gives ``acc`` the micro-batch and
     the K that follows (the window, the strategy's batch geometry, what loaders get)."""
-    steps, global_batch, micro = acc._batch_sizes
-    if not is_auto(micro) or acc.micro_batch_choice is not None or not acc._models:
+    steps, global_batch, micro = run.batch_sizes
+    if not is_auto(micro) or run.micro_batch_choice is not None or not run.models:
         raise ConfigError(f"find_micro_batch_size needs micro_batch_size='auto' (got "
                           f"{micro!r}), called once, after acc.setup(model, optimizer)")
     if steps is not None:
         raise ConfigError(f"grad_accum_steps={steps} with micro_batch_size='auto': K follows "
                           "from the chosen size; give global_batch_size only")
-    choice = choose_micro_batch(acc, step, make_batch, headroom=headroom, run_dir=run_dir)
-    acc._micro_batch_choice = choice
-    acc._batch_sizes = (steps, global_batch, choice.micro_batch_size)
-    acc._window.grad_accum_steps = accum_steps.derive(acc, choice.micro_batch_size) or 1
-    acc._steps_known = True
-    acc.strategy.set_batch_geometry(micro_batch_size=choice.micro_batch_size,
-                                    grad_accum_steps=acc.grad_accum_steps)
+    choice = choose_micro_batch(run, step, make_batch, headroom=headroom, run_dir=run_dir)
+    run.micro_batch_choice = choice
+    run.batch_sizes = (steps, global_batch, choice.micro_batch_size)
+    run.window.grad_accum_steps = accum_steps.derive(run, choice.micro_batch_size) or 1
+    run.steps_known = True
+    run.strategy.set_batch_geometry(micro_batch_size=choice.micro_batch_size,
+                                    grad_accum_steps=run.grad_accum_steps)
     return choice.micro_batch_size
 
 
-def choose_micro_batch(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
+def choose_micro_batch(run: RunState, step: StepFn, make_batch: MakeBatch, *,
                        headroom: float = DEFAULT_HEADROOM,
                        run_dir: str | os.PathLike[str] | None = None) -> MicroBatchChoice:
     """The largest candidate micro-batch that fits on every rank (collective).
@@ -121,25 +121,25 @@ def choose_micro_batch(acc: Accelerator, step: StepFn, make_batch: MakeBatch, *,
         ConfigError: not even a micro-batch of 1 fits, or a bad ``headroom``.
     """
     check_headroom(headroom)
-    _, global_batch, _ = acc._batch_sizes
-    world = acc.strategy.dp_world_size
+    _, global_batch, _ = run.batch_sizes
+    world = run.strategy.dp_world_size
     sizes = candidates(global_batch, world)
-    for model in acc._models:  # a strategy that cannot be probed refuses here, on every rank
-        acc.strategy.probe_units(model)
-    rng = rng_state.capture(acc)  # make_batch and the probes may draw: restored at the end
+    for model in run.models:  # a strategy that cannot be probed refuses here, on every rank
+        run.strategy.probe_units(model)
+    rng = rng_state.capture(run)  # make_batch and the probes may draw: restored at the end
     try:
-        return _choose(acc, step, make_batch, sizes, headroom, run_dir)
+        return _choose(run, step, make_batch, sizes, headroom, run_dir)
     finally:
-        rng_state.restore(acc, rng)
+        rng_state.restore(run, rng)
 
 
-def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[int],
+def _choose(run: RunState, step: StepFn, make_batch: MakeBatch, sizes: list[int],
             headroom: float, run_dir: str | os.PathLike[str] | None) -> MicroBatchChoice:
-    _, global_batch, _ = acc._batch_sizes
-    world, limit = acc.strategy.dp_world_size, acc._memory_limit
-    key = cache_key(acc, make_batch(1), global_batch, headroom)
+    _, global_batch, _ = run.batch_sizes
+    world, limit = run.strategy.dp_world_size, run.memory_limit
+    key = cache_key(run, make_batch(1), global_batch, headroom)
     cached = read_cache(run_dir, key)
-    agreed = acc.strategy.all_gather(torch.tensor([cached or 0], device=acc.device))
+    agreed = run.strategy.all_gather(torch.tensor([cached or 0], device=run.device))
     if all(int(t.item()) in sizes for t in agreed) and len({int(t.item()) for t in agreed}) == 1:
         micro = int(agreed[0].item())
         choice = MicroBatchChoice(micro_batch_size=micro, grad_accum_steps=global_batch // (
@@ -155,7 +155,7 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
             if verdicts.get(sizes[0]) is False or _far_over(results, sizes, n, headroom):
                 verdicts[n] = False
             else:
-                rows = _probe(acc, step, make_batch, n, limit, tolerate=tolerate)
+                rows = _probe(run, step, make_batch, n, limit, tolerate=tolerate)
                 if rows is not None:
                     results[n] = rows
                 verdicts[n] = rows is not None and all(
@@ -163,8 +163,8 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
         return verdicts[n]
 
     raised: dict[int, str] = {}  # sizes whose step raised (BatchNorm refusing 1 row)
-    with _parameters_preserved(acc):
-        if acc.device.type == "cpu":
+    with _parameters_preserved(run):
+        if run.device.type == "cpu":
             # No out-of-memory error on CPU before the kernel kills the process: the two
             # smallest sizes first give each rank's bytes per row, and a size predicted far past
             # the limit is not run (``_far_over``).
@@ -193,21 +193,21 @@ def _choose(acc: Accelerator, step: StepFn, make_batch: MakeBatch, sizes: list[i
         dp_world_size=world, global_batch_size=global_batch, peak_bytes=int(rows[tightest][1]),
         limit_bytes=int(rows[tightest][2]), tightest_rank=tightest, probes=probes)
     log.info(choice.describe())
-    if acc.is_main_process:
+    if run.is_main_process:
         write_cache(run_dir, key, best)
     return choice
 
 
-def measure(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int) -> PeakMeter | None:
+def measure(run: RunState, step: StepFn, make_batch: MakeBatch, n: int) -> PeakMeter | None:
     """One probe of size n (collective), state restored: this rank's meter (``peak``, and
     ``growth`` above the bytes alive before), or None when some rank ran out of memory."""
-    rng = rng_state.capture(acc)
+    rng = rng_state.capture(run)
     try:
-        with _parameters_preserved(acc):
-            meter = PeakMeter(acc.device)
-            rows = _probe(acc, step, make_batch, n, acc._memory_limit, meter)
+        with _parameters_preserved(run):
+            meter = PeakMeter(run.device)
+            rows = _probe(run, step, make_batch, n, run.memory_limit, meter)
     finally:
-        rng_state.restore(acc, rng)
+        rng_state.restore(run, rng)
     return None if rows is None else meter
 
 
@@ -226,7 +226,7 @@ def _far_over(results: dict[int, list[list[float]]], sizes: list[int], n: int,
     return False
 
 
-def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit: int,
+def _probe(run: RunState, step: StepFn, make_batch: MakeBatch, n: int, limit: int,
            meter: PeakMeter | None = None, tolerate: bool = False) -> list[list[float]] | None:
     """One probe of size n on every rank: each rank's ``[0, peak, limit]``, or None when a rank
     ran out of memory (then every rank returns None, having made the same collectives).
@@ -234,15 +234,15 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
     Raises:
         ProbeError: ``tolerate`` and a rank's step raised another error (on every rank).
     """
-    agreement = Agreement(acc)
-    meter = meter or PeakMeter(acc.device)
+    agreement = Agreement(run)
+    meter = meter or PeakMeter(run.device)
     failed = 0.0
     rows = None
     error: Exception | None = None
     said = "an error on another rank"  # what a tolerant probe's ProbeError says
     try:
-        with checkpoint_hooks(acc, agreement), meter.measure():
-            _step_once(acc, step, make_batch(n), agreement)
+        with checkpoint_hooks(run, agreement), meter.measure():
+            _step_once(run, step, make_batch(n), agreement)
         rows = agreement.final(meter.peak, limit)
     except torch.OutOfMemoryError:
         failed = OOM
@@ -252,9 +252,9 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
         failed, error = ERROR, None if tolerate else exc
         said = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     finally:
-        for model in acc._models:
-            acc.strategy.clear_gradients(model)
-    release_cached(acc.device)  # outside the handler: its traceback (and tensors) is gone
+        for model in run.models:
+            run.strategy.clear_gradients(model)
+    release_cached(run.device)  # outside the handler: its traceback (and tensors) is gone
     if failed:
         agreement.fail(failed)
     if agreement.kind == ERROR:
@@ -267,29 +267,29 @@ def _probe(acc: Accelerator, step: StepFn, make_batch: MakeBatch, n: int, limit:
     return rows
 
 
-def _step_once(acc: Accelerator, step: StepFn, batch: Any, agreement: Agreement) -> None:
+def _step_once(run: RunState, step: StepFn, batch: Any, agreement: Agreement) -> None:
     """Forward, backward without gradient communication, and the optimizers' first states."""
-    batch = move_to_device(batch, acc.device)
+    batch = move_to_device(batch, run.device)
     with ExitStack() as no_sync:
-        for model in acc._models:
-            no_sync.enter_context(acc.strategy.probe_mode(model))
+        for model in run.models:
+            no_sync.enter_context(run.strategy.probe_mode(model))
         try:
             loss = _loss_of(step(batch))
             agreement.checkpoint()  # the backward may communicate (FSDP all-gathers)
-            scale = acc.strategy.scaler.scale
-            acc.strategy.probe_backward(loss * scale if scale != 1.0 else loss,
-                                        acc._models[0] if acc._models else None)
+            scale = run.strategy.scaler.scale
+            run.strategy.probe_backward(loss * scale if scale != 1.0 else loss,
+                                        run.models[0] if run.models else None)
             del loss, batch
         finally:  # still without gradient sync: a stopped backward's cleanup must not talk
-            for model in acc._models:
-                acc.strategy.clear_gradients(model)
-    _allocate_optimizer_states(acc)
+            for model in run.models:
+                run.strategy.clear_gradients(model)
+    _allocate_optimizer_states(run)
 
 
-def _allocate_optimizer_states(acc: Accelerator) -> None:
+def _allocate_optimizer_states(run: RunState) -> None:
     """Allocates what each stateless optimizer's first step would, without stepping it."""
-    for wrapped in acc._optimizers:
-        optimizer = acc.strategy.state_optimizer(wrapped.optimizer)
+    for wrapped in run.optimizers:
+        optimizer = run.strategy.state_optimizer(wrapped.optimizer)
         if optimizer.state:
             continue
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -313,14 +313,14 @@ def _allocate_optimizer_states(acc: Accelerator) -> None:
 
 
 @contextmanager
-def _parameters_preserved(acc: Accelerator) -> Iterator[None]:
+def _parameters_preserved(run: RunState) -> Iterator[None]:
     """Restores every parameter and buffer (this rank's shards) after the search, and the
     gradients that existed before it (a window in progress): the probe's backward adds into
     them and its cleanup drops them, so each comes back as the same tensor with its values."""
-    tensors = [t for model in acc._models
+    tensors = [t for model in run.models
                for t in (*model.parameters(), *model.buffers())]
     saved = [_local(t.detach()).to("cpu", copy=True) for t in tensors]
-    params = list(dict.fromkeys(p for model in acc._models for p in model.parameters()))
+    params = list(dict.fromkeys(p for model in run.models for p in model.parameters()))
     grads = [(p, p.grad, _local(p.grad.detach()).to("cpu", copy=True))
              for p in params if p.grad is not None]
     try:
@@ -346,11 +346,6 @@ def _loss_of(output: Any) -> torch.Tensor:
         raise ConfigError(f"the probe's step returned {type(output).__name__}; return the loss "
                           "tensor, (loss_sum, num_items) or an object with .loss")
     return loss
-
-
-def needs_choice(acc: Accelerator) -> bool:
-    """Whether ``micro_batch_size="auto"`` is still to be chosen on ``acc``."""
-    return is_auto(acc._batch_sizes[2])
 
 
 def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:

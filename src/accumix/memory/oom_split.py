@@ -54,9 +54,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accumix.errors import ConfigError
+from accumix.step import micro_step
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 log = logging.getLogger("accumix")
 
@@ -127,7 +128,7 @@ def slice_batch(batch: Any, start: int, stop: int, rows: int) -> Any:
     return batch
 
 
-def run_micro_batch(acc: Accelerator, step_fn: StepFn, batch: Any) -> Any:
+def run_micro_batch(run: RunState, step_fn: StepFn, batch: Any) -> Any:
     """Forward and backward of one micro-batch, split into pieces if it runs out of memory.
 
     See the module's docstring for the guarantees and how the ranks stay matched.
@@ -146,7 +147,7 @@ def run_micro_batch(acc: Accelerator, step_fn: StepFn, batch: Any) -> Any:
         torch.OutOfMemoryError: one row does not fit on some rank (raised on every rank).
     """
     rows = batch_samples(batch)
-    distributed = acc.world_size > 1
+    distributed = run.world_size > 1
     pieces: list[tuple[Fraction, Fraction]] = [(Fraction(0), Fraction(1))]
     losses: list[tuple[torch.Tensor, Any, Fraction]] = []
     failed_rank = -1
@@ -161,7 +162,7 @@ def run_micro_batch(acc: Accelerator, step_fn: StepFn, batch: Any) -> Any:
             output = step_fn(part)
         except torch.OutOfMemoryError:
             out_of_memory, output = True, None
-        worst, single_row = _agree(acc, out_of_memory, stop - start <= 1, distributed)
+        worst, single_row = _agree(run, out_of_memory, stop - start <= 1, distributed)
         if worst >= 0:
             del output
             failed_rank = worst
@@ -179,42 +180,42 @@ def run_micro_batch(acc: Accelerator, step_fn: StepFn, batch: Any) -> Any:
         loss, num_items = split_loss(output)
         share = Fraction(0) if filler else Fraction(stop - start, rows)
         if failed_rank < 0 and not pieces:  # the common case: the plain loop's backward
-            _backward(acc, loss, num_items, 1)
+            _backward(run, loss, num_items, 1)
             return output
-        with acc.strategy.piece_sync(acc._models[0] if acc._models else None,
-                                     boundary=acc.sync_gradients, last=not pieces):
-            _backward(acc, loss, num_items, share)
+        with run.strategy.piece_sync(run.models[0] if run.models else None,
+                                     boundary=run.is_boundary, last=not pieces):
+            _backward(run, loss, num_items, share)
         losses.append((loss.detach(), num_items, share))
         result = losses
-    if acc.is_main_process:
+    if run.is_main_process:
         log.warning("out of memory on rank %d in micro-step %d of %d (optimizer step %d): every "
                     "rank ran its micro-batch as %d pieces of the same window; the gradient is "
-                    "unchanged", failed_rank, acc._window.micro_step, acc.grad_accum_steps,
-                    acc.optimizer_steps + 1, len(result))
+                    "unchanged", failed_rank, run.window.micro_step, run.grad_accum_steps,
+                    run.optimizer_steps + 1, len(result))
     return _combined(result)
 
 
-def _agree(acc: Accelerator, out_of_memory: bool, single_row: bool, distributed: bool
+def _agree(run: RunState, out_of_memory: bool, single_row: bool, distributed: bool
            ) -> tuple[int, bool]:
     """The highest rank whose forward ran out of memory (-1: none) and whether one of them
     was down to one row: one all-reduce, so every rank takes the same branch."""
     if not distributed:
-        return (acc.rank if out_of_memory else -1), out_of_memory and single_row
-    flags = torch.tensor([acc.rank + 1 if out_of_memory else 0,
+        return (run.rank if out_of_memory else -1), out_of_memory and single_row
+    flags = torch.tensor([run.rank + 1 if out_of_memory else 0,
                           1 if out_of_memory and single_row else 0],
-                         dtype=torch.float32, device=acc.device)
-    worst, one_row = acc.strategy.all_reduce(flags, "max").tolist()
+                         dtype=torch.float32, device=run.device)
+    worst, one_row = run.strategy.all_reduce(flags, "max").tolist()
     return int(worst) - 1, bool(one_row)
 
 
-def _backward(acc: Accelerator, loss: torch.Tensor, num_items: Any, share: Fraction | int
+def _backward(run: RunState, loss: torch.Tensor, num_items: Any, share: Fraction | int
               ) -> None:
     if num_items is None:
-        acc.backward(loss if share == 1 else loss * float(share))
+        micro_step.backward(run, loss if share == 1 else loss * float(share))
     elif share == 0:  # a filler row: no loss, no items
-        acc.backward(loss * 0.0, num_items=0)
+        micro_step.backward(run, loss * 0.0, num_items=0)
     else:
-        acc.backward(loss, num_items=num_items)
+        micro_step.backward(run, loss, num_items=num_items)
 
 
 def _combined(losses: list[tuple[torch.Tensor, Any, Fraction]]) -> Any:

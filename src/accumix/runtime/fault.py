@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 _COLLECTIVE_HINTS = ("gloo", "nccl", "timed out", "timeout", "connection closed",
                      "connection reset", "broken pipe", "process group")
@@ -56,31 +56,31 @@ class Watchdog:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, interval: float) -> None:
         self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
-        self._accelerator: weakref.ref[Accelerator] | None = None
+        self._run: weakref.ref[RunState] | None = None
         self._seq = 0
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="accumix-watchdog", daemon=True)
         self._thread.start()
 
-    def watch(self, acc: Accelerator) -> None:
-        """Reports ``acc``'s progress from now on (the newest Accelerator of the process)."""
-        self._accelerator = weakref.ref(acc)
+    def watch(self, run: RunState) -> None:
+        """Reports ``run``'s progress from now on (the newest Accelerator's of the process)."""
+        self._run = weakref.ref(run)
 
     def progress(self) -> tuple[int, int, int]:
         """(windows finished, micro-steps begun in the next one, accumix collectives entered
         between windows): grows with every micro-step and every such collective."""
-        acc = self._accelerator() if self._accelerator is not None else None
-        if acc is None:
+        run = self._run() if self._run is not None else None
+        if run is None:
             return (0, 0, 0)
-        window, entered = acc._window, getattr(acc, "_sync_points", 0)
+        window, entered = run.window, run.sync_points
         if window.micro_step == 0:  # between windows (also after a boundary that raised)
             return (window.index + 1, 0, entered)
         return (window.index, window.micro_step, entered)
 
     def _label(self) -> str:
-        acc = self._accelerator() if self._accelerator is not None else None
-        return getattr(acc, "_sync_label", "") if acc is not None else ""
+        run = self._run() if self._run is not None else None
+        return run.sync_label if run is not None else ""
 
     def _beat(self) -> None:
         self._seq += 1
@@ -163,25 +163,25 @@ def _where(progress: tuple[int, int, int], label: str = "") -> str:
 
 
 @contextlib.contextmanager
-def phase(acc: Accelerator, label: str) -> Iterator[None]:
+def phase(run: RunState, label: str) -> Iterator[None]:
     """Marks a collective accumix adds between windows, so the watchdog sees a rank that has
     not reached it as behind (the window counters alone are equal there)."""
-    acc._sync_points = getattr(acc, "_sync_points", 0) + 1  # type: ignore[attr-defined]
-    acc._sync_label = label  # type: ignore[attr-defined]
+    run.sync_points += 1
+    run.sync_label = label
     yield
     # Only on success: a collective that failed here leaves the label for the diagnosis.
-    acc._sync_label = ""  # type: ignore[attr-defined]
+    run.sync_label = ""
 
 
 def advance(label: str) -> None:
     """This rank finished its own part of a collective (its files of a checkpoint write) and
     now waits for the others: progress, so a rank still inside its part is named as behind.
     The label stays until the enclosing ``phase`` ends."""
-    watched = _watchdog._accelerator if _watchdog is not None else None
-    acc = watched() if watched is not None else None
-    if acc is not None:
-        acc._sync_points = getattr(acc, "_sync_points", 0) + 1  # type: ignore[attr-defined]
-        acc._sync_label = label  # type: ignore[attr-defined]
+    watched = _watchdog._run if _watchdog is not None else None
+    run = watched() if watched is not None else None
+    if run is not None:
+        run.sync_points += 1
+        run.sync_label = label
 
 
 def _list(ranks: list[int]) -> str:
@@ -193,11 +193,11 @@ def _die(message: str) -> None:
     os._exit(1)
 
 
-def start_watchdog(acc: Accelerator, timeout: float) -> Watchdog | None:
-    """Starts this process's watchdog (once) and points it at ``acc``; None in one process or
+def start_watchdog(run: RunState, timeout: float) -> Watchdog | None:
+    """Starts this process's watchdog (once) and points it at ``run``; None in one process or
     when no TCP store address is known (a process group made with another init method)."""
     global _watchdog
-    if acc.world_size == 1 or not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+    if run.world_size == 1 or not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         return None
     if _watchdog is None or _watchdog._stop.is_set():
         run = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -208,12 +208,12 @@ def start_watchdog(acc: Accelerator, timeout: float) -> Watchdog | None:
                                    wait_for_workers=False)
             store = dist.PrefixStore(f"accumix/{run}/{attempt}/", client)
             interval = min(1.0, max(0.1, timeout / 10))
-            _watchdog = Watchdog(store, acc.rank, acc.world_size, interval)
+            _watchdog = Watchdog(store, run.rank, run.world_size, interval)
         except Exception:  # noqa: BLE001 - no diagnosis then, but training is unaffected
             return None
         _install_excepthook()
         atexit.register(_stop_at_exit)
-    _watchdog.watch(acc)
+    _watchdog.watch(run)
     return _watchdog
 
 
@@ -271,22 +271,24 @@ class PreemptionHandler:
         checkpoint: that checkpoint's step directory.
     """
 
-    def __init__(self, acc: Accelerator, run_dir: str | os.PathLike[str], *,
-                 signals: tuple[int, ...], keep_last: int | None, exit: bool) -> None:
+    def __init__(self, run: RunState, run_dir: str | os.PathLike[str], *,
+                 save: Callable[[Path, int | None], Path], signals: tuple[int, ...],
+                 keep_last: int | None, exit: bool) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("handle_preemption must be called from the main thread "
                               "(Python delivers signals there)")
-        for index, loader in enumerate(acc._loaders):
+        for index, loader in enumerate(run.loaders):
             if loader._unresumable:  # a signal mid-epoch would find no save it could make
                 raise ConfigError(
                     f"handle_preemption cannot save DataLoader {index} mid-epoch: it has "
                     f"{loader._unresumable}; use batch_size= with shuffle=True/False or a "
                     "DistributedSampler, or save with acc.save_state at epoch ends instead"
                 )
-        self._acc, self.run_dir, self.keep_last, self.exit = acc, Path(run_dir), keep_last, exit
+        self._run, self._save_state = run, save
+        self.run_dir, self.keep_last, self.exit = Path(run_dir), keep_last, exit
         self.triggered, self.checkpoint = False, None
         self._requested = False
-        self._checked_window = acc._window.index
+        self._checked_window = run.window.index
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -294,7 +296,7 @@ class PreemptionHandler:
 
     def at_batch(self) -> None:
         """Between batches: once per finished window, the ranks agree whether to stop."""
-        window = self._acc._window
+        window = self._run.window
         if window.micro_step or window.index == self._checked_window:
             return
         self._checked_window = window.index
@@ -308,23 +310,23 @@ class PreemptionHandler:
             return False
         if not self._agreed("the pre-emption check of acc.end()"):
             return False
-        if self._acc._window.micro_step:  # a checkpoint cannot hold half a window
+        if self._run.window.micro_step:  # a checkpoint cannot hold half a window
             self.close()
-            print(f"accumix: rank {self._acc.rank} pre-empted inside an accumulation window at "
+            print(f"accumix: rank {self._run.rank} pre-empted inside an accumulation window at "
                   f"acc.end(); nothing saved", file=sys.stderr, flush=True)
             return self.exit
         return self._save() and self.exit
 
     def _agreed(self, label: str) -> bool:
-        flag = torch.tensor([1.0 if self._requested else 0.0], device=self._acc.device)
-        with phase(self._acc, label):
-            return bool(self._acc.strategy.all_reduce(flag, "max").item())
+        flag = torch.tensor([1.0 if self._requested else 0.0], device=self._run.device)
+        with phase(self._run, label):
+            return bool(self._run.strategy.all_reduce(flag, "max").item())
 
     def _save(self) -> bool:
-        self.checkpoint = self._acc.save_state(self.run_dir, keep_last=self.keep_last)
+        self.checkpoint = self._save_state(self.run_dir, self.keep_last)
         self.triggered = True
         self.close()
-        print(f"accumix: rank {self._acc.rank} pre-empted; saved {self.checkpoint}",
+        print(f"accumix: rank {self._run.rank} pre-empted; saved {self.checkpoint}",
               file=sys.stderr, flush=True)
         return True
 

@@ -35,9 +35,9 @@ from accumix.step import window_end
 from accumix.strategies.base import params_of
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
     from accumix.step.accumulation import AccumulationWindow
     from accumix.step.optim import AcceleratedOptimizer
+    from accumix.step.run_state import RunState
     from accumix.strategies.base import Strategy
 
 Number = int | float
@@ -124,16 +124,16 @@ def reached(optimizers: Sequence[AcceleratedOptimizer], before: list[list[Any]],
     return out, touched
 
 
-def record_backward(acc: Accelerator, before: list[list[Any]] | None,
+def record_backward(run: RunState, before: list[list[Any]] | None,
                     num_items: Number | torch.Tensor | None) -> None:
     """Books one backward on the optimizers it reached (``before``: ``marks_before``)."""
-    window = acc._window
+    window = run.window
     if before is None:
-        optimizers = list(acc._optimizers)
+        optimizers = list(run.optimizers)
     else:
-        optimizers, touched = reached(acc._optimizers, before, acc.strategy)
-        acc._step.backward_serial += 1
-        finalized = acc._step.finalized
+        optimizers, touched = reached(run.optimizers, before, run.strategy)
+        run.step.backward_serial += 1
+        finalized = run.step.finalized
         for pid in touched:  # raw gradient added: to be finalized again
             finalized.pop(pid, None)
     for opt in optimizers:
@@ -150,23 +150,23 @@ def record_backward(acc: Accelerator, before: list[list[Any]] | None,
         if not state.first_micro_step:
             state.first_micro_step = window.micro_step
         state.fresh, state.finalized = True, False
-        state.unsynced = _sync_off(acc, opt)
+        state.unsynced = _sync_off(run, opt)
         state.zero_request = None  # an earlier zero_grad of this micro-step was the loop's top
         state.backwards += 1
         if before is not None:
-            state.reach = (*state.reach, acc._step.backward_serial)
+            state.reach = (*state.reach, run.step.backward_serial)
         if num_items is not None:
             state.num_items = state.num_items + (
                 num_items.detach().to(torch.float64) if isinstance(num_items, torch.Tensor)
                 else num_items)
 
 
-def _sync_off(acc: Accelerator, optimizer: AcceleratedOptimizer) -> bool:
+def _sync_off(run: RunState, optimizer: AcceleratedOptimizer) -> bool:
     """Whether its model's gradient sync is off in this micro-step (``accumulate()`` turns it
     off off the boundary, for the models it was given or for every model)."""
-    if acc._window.is_boundary:
+    if run.window.is_boundary:
         return False
-    models = acc._micro_step_models
+    models = run.micro_step_models
     return not models or any(m is optimizer.model for m in models)
 
 
@@ -231,19 +231,19 @@ class FinalizingClosure:
         return loss
 
 
-def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> None:
+def finalize(run: RunState, optimizers: Sequence[AcceleratedOptimizer]) -> None:
     """Unscale + normalise + non-finite check in one pass, agreed, for each optimizer whose
     gradients got a backward since their last finalize (each with its own item count); a
     gradient another optimizer already finalized since its last backward is left as it is
     (its overflow flag counts for this optimizer too)."""
-    scaler, strategy, window = acc.strategy.scaler, acc.strategy, acc._window
+    scaler, strategy, window = run.strategy.scaler, run.strategy, run.window
     due = [o for o in optimizers
            if o.window_grads.window == window.index and o.window_grads.fresh]
     if not due:
         return
-    _reduce_deferred(acc, due)
+    _reduce_deferred(run, due)
     # With one optimizer nothing is shared, and the per-parameter record is not kept.
-    ledger = acc._step.finalized if len(acc._optimizers) > 1 else None
+    ledger = run.step.finalized if len(run.optimizers) > 1 else None
     for opt in due:
         state = opt.window_grads
         params = list(params_of([opt.optimizer]))
@@ -258,7 +258,7 @@ def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> No
                 grad_divisor=strategy.grad_divisor,
                 all_reduce=strategy.all_reduce,
                 dynamic_scale=scaler.enabled,
-                device=acc.device,
+                device=run.device,
             )
             found_inf = strategy.finalize_gradients(params, factor)
             if found_inf is not None:
@@ -269,7 +269,7 @@ def finalize(acc: Accelerator, optimizers: Sequence[AcceleratedOptimizer]) -> No
         state.found_inf = sum(flags[1:], flags[0]) if flags else None
         state.fresh, state.finalized, state.zero_request = False, True, None
         if state.found_inf is not None:  # the window's update sees every finalize's flag
-            record = acc._step
+            record = run.step
             record.found_inf = state.found_inf if record.found_inf is None else (
                 record.found_inf + state.found_inf)
 
@@ -303,7 +303,7 @@ def _unfinalized(params: list[torch.Tensor], ledger: dict[int, tuple[int, Any, A
     return out
 
 
-def _reduce_deferred(acc: Accelerator, due: Sequence[AcceleratedOptimizer]) -> None:
+def _reduce_deferred(run: RunState, due: Sequence[AcceleratedOptimizer]) -> None:
     """One reduction per model whose last backward ran with its gradient sync off (a model
     unused on the boundary micro-step): its gradients are each rank's own until then."""
     models: list[Any] = []
@@ -311,13 +311,13 @@ def _reduce_deferred(acc: Accelerator, due: Sequence[AcceleratedOptimizer]) -> N
         if opt.window_grads.unsynced and all(m is not opt.model for m in models):
             models.append(opt.model)
     for model in models:
-        acc.strategy.reduce_deferred_grads(model)
-        for opt in acc._optimizers:
+        run.strategy.reduce_deferred_grads(model)
+        for opt in run.optimizers:
             if opt.model is model:
                 opt.window_grads.unsynced = False
 
 
-def optimizer_step(acc: Accelerator, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
+def optimizer_step(run: RunState, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
     """One optimizer's step at the boundary: its own gradients finalized (each closure
     evaluation's), its own overflow decision; the window's counters recorded.
 
@@ -325,53 +325,53 @@ def optimizer_step(acc: Accelerator, optimizer: AcceleratedOptimizer, closure: A
         The closure's first loss (what torch's ``step(closure)`` returns), else None.
     """
     if closure is not None:
-        check_closure(acc.grad_accum_steps, acc.strategy.scaler.enabled)
-    if not acc.sync_gradients:
+        check_closure(run.grad_accum_steps, run.strategy.scaler.enabled)
+    if not run.is_boundary:
         return None
     state = optimizer.window_grads
-    state.renew(acc._window.index)
+    state.renew(run.window.index)
     finalizing: FinalizingClosure | None = None
     if closure is None:
-        finalize(acc, [optimizer])
+        finalize(run, [optimizer])
     else:  # each evaluation's gradients are finalized before the optimizer reads them
-        finalizing = FinalizingClosure(closure, lambda: finalize(acc, [optimizer]))
+        finalizing = FinalizingClosure(closure, lambda: finalize(run, [optimizer]))
     # fp16 only: one host sync to read the agreed overflow flag (GradScaler does too).
     skip = state.found_inf is not None and bool(state.found_inf.item())
-    stepped = acc.strategy.optimizer_step(optimizer.optimizer, skip=skip, closure=finalizing)
-    index, record = acc._window.index, acc._step
+    stepped = run.strategy.optimizer_step(optimizer.optimizer, skip=skip, closure=finalizing)
+    index, record = run.window.index, run.step
     first = record.decided_window != index
     record.decided_window = index
     # The strategy's answer: an engine may find the overflow in its own step.
-    acc.step_was_skipped = (not stepped) or (not first and acc.step_was_skipped)
+    run.step_was_skipped = (not stepped) or (not first and run.step_was_skipped)
     if stepped and record.counted_window != index:
         record.counted_window = index
-        acc.optimizer_steps += 1
+        run.optimizer_steps += 1
     # Applied or skipped, the step used this window's gradients: zero_grad may clear them.
     state.step_taken, state.zero_request = True, None
     if stepped:
         optimizer.stepped_window = index
-    if not acc._in_micro_step:  # stepped after the window's block: maybe its last step
-        window_end.update_loss_scale(acc)
+    if not run.in_micro_step:  # stepped after the window's block: maybe its last step
+        window_end.update_loss_scale(run)
     return finalizing.first_loss if finalizing is not None else None
 
 
-def clip_grad_norm(acc: Accelerator, max_norm: float, norm_type: float, parameters: Any
+def clip_grad_norm(run: RunState, max_norm: float, norm_type: float, parameters: Any
                    ) -> torch.Tensor | None:
     """``acc.clip_grad_norm_``: finalizes the gradients it reads first, then the strategy clips."""
     # numbers.Real: a numpy float32 from a config is a number too (not a float subclass)
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or max_norm <= 0:
         raise ConfigError(f"clip_grad_norm_(max_norm={max_norm!r}) needs a number > 0")
-    if not acc.sync_gradients:
+    if not run.is_boundary:
         return None
     if parameters is None:
-        finalize(acc, acc._optimizers)
-        params = _trained_params(acc)
+        finalize(run, run.optimizers)
+        params = _trained_params(run)
     else:
         params = list(parameters)
-        finalize(acc, owners(acc._optimizers, params))
-    return acc.strategy.clip_grad_norm_(params, float(max_norm), float(norm_type))
+        finalize(run, owners(run.optimizers, params))
+    return run.strategy.clip_grad_norm_(params, float(max_norm), float(norm_type))
 
 
-def _trained_params(acc: Accelerator) -> list[torch.nn.Parameter]:
+def _trained_params(run: RunState) -> list[torch.nn.Parameter]:
     """Every set-up optimizer's parameters, once each (read anew: groups may change)."""
-    return list(params_of(o.optimizer for o in acc._optimizers))
+    return list(params_of(o.optimizer for o in run.optimizers))

@@ -18,12 +18,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from accumix.errors import CompileError, ConfigError
+
+if TYPE_CHECKING:
+    from accumix.strategies.base import Strategy
 
 CompileSetting = bool | dict[str, Any] | None
 
@@ -105,6 +108,11 @@ def strip_compiled(module: nn.Module) -> nn.Module:
     while is_compiled_wrapper(module):
         module = module._orig_mod
     return module
+
+
+def unwrap(strategy: Strategy, module: nn.Module) -> nn.Module:
+    """``acc.unwrap``: the user's module inside the strategy's wrapper and ``torch.compile``'s."""
+    return strip_compiled(strategy.unwrap(strip_compiled(module)))
 
 
 def split_compiled(model: nn.Module, asked: Compiler | None | bool

@@ -4,6 +4,8 @@ preemption handler may be installed, and ``end()`` closes the pieces in order.""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -12,14 +14,14 @@ from accumix.errors import ConfigError
 from accumix.runtime import fault
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 
-def check_same_config(acc: Accelerator) -> None:
+def check_same_config(run: RunState) -> None:
     """Every rank was launched with the same strategy, precision, batch sizes and scaler."""
-    mine = (type(acc.strategy).__name__, acc.policy.name, acc._batch_sizes,
-            type(acc.strategy.scaler).__name__)
-    every = acc.strategy.all_gather_object(mine)
+    mine = (type(run.strategy).__name__, run.policy.name, run.batch_sizes,
+            type(run.strategy.scaler).__name__)
+    every = run.strategy.all_gather_object(mine)
     if any(other != mine for other in every):
         diff = {r: cfg for r, cfg in enumerate(every) if cfg != every[0]}
         raise ConfigError(
@@ -28,27 +30,27 @@ def check_same_config(acc: Accelerator) -> None:
         )
 
 
-def handle_preemption(acc: Accelerator, run_dir: str | os.PathLike[str], *,
-                      signals: tuple[int, ...], keep_last: int | None, exit: bool
-                      ) -> fault.PreemptionHandler:
+def handle_preemption(run: RunState, run_dir: str | os.PathLike[str], *,
+                      save: Callable[[Path, int | None], Path], signals: tuple[int, ...],
+                      keep_last: int | None, exit: bool) -> fault.PreemptionHandler:
     """``acc.handle_preemption``: replaces any earlier handler."""
-    if acc._preemption is not None:
-        acc._preemption.close()
-    acc._preemption = fault.PreemptionHandler(
-        acc, run_dir, signals=tuple(signals), keep_last=keep_last, exit=exit
+    if run.preemption is not None:
+        run.preemption.close()
+    run.preemption = fault.PreemptionHandler(
+        run, run_dir, save=save, signals=tuple(signals), keep_last=keep_last, exit=exit
     )
-    return acc._preemption
+    return run.preemption
 
 
-def end(acc: Accelerator) -> None:
+def end(run: RunState) -> None:
     """``acc.end()``: saves a pending preemption, stops the watchdog, tears the strategy down."""
     # A signal in the last window or after the loop: saved now (collective), exit below.
-    preempted = acc._preemption is not None and acc._preemption.at_end()
-    if acc._preemption is not None:
-        acc._preemption.close()
-    if acc._watchdog is not None:
-        acc._watchdog.finish()
-    acc.strategy.teardown()
+    preempted = run.preemption is not None and run.preemption.at_end()
+    if run.preemption is not None:
+        run.preemption.close()
+    if run.watchdog is not None:
+        run.watchdog.finish()
+    run.strategy.teardown()
     if dist.is_initialized():
         dist.barrier()
     if preempted:

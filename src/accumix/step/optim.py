@@ -19,21 +19,21 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.step import window_end
+from accumix.step import boundary, window_end
 from accumix.step.boundary import WindowGrads
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
+    from accumix.step.run_state import RunState
 
 
 class AcceleratedOptimizer(Optimizer):
     """The user's optimizer, stepped by the Accelerator. Shares its state and param groups."""
 
-    def __init__(self, optimizer: Optimizer, accelerator: Accelerator,
+    def __init__(self, optimizer: Optimizer, run: RunState,
                  model: nn.Module | None = None) -> None:
         # Optimizer.__init__ is skipped on purpose: state and groups stay the inner optimizer's.
         self.optimizer = optimizer
-        self._accelerator = accelerator
+        self._run = run
         self.model = model  # the set-up model whose parameters it steps
         self.window_grads = WindowGrads()  # what its gradients hold in the current window
         self.stepped_window = -1  # index of the last window whose step really ran
@@ -65,13 +65,13 @@ class AcceleratedOptimizer(Optimizer):
         before the optimizer reads them, and the first evaluation's loss is returned, as torch
         returns it. Off the boundary: nothing, and None.
         """
-        return self._accelerator._optimizer_step(self, closure)
+        return boundary.optimizer_step(self._run, self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients, unless they hold a window that has not been stepped yet; on the
         boundary micro-step, a window the loop did not step is cleared by its end at the
         latest (``window_end.zero_grad``)."""
-        window_end.zero_grad(self._accelerator, self, set_to_none)
+        window_end.zero_grad(self._run, self, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -123,10 +123,10 @@ class AcceleratedScheduler:
     """
 
     def __init__(self, scheduler: Any, optimizer: AcceleratedOptimizer | None,
-                 accelerator: Accelerator) -> None:
+                 run: RunState) -> None:
         self.scheduler = scheduler
         self._optimizer = optimizer
-        self._accelerator = accelerator
+        self._run = run
         self._stepped_window = -1
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -139,12 +139,12 @@ class AcceleratedScheduler:
     def step_update(self, num_updates: int | None = None, metric: Any = None) -> None:
         """timm's per-update call: once per real optimizer step, with the real step count."""
         if self._advances():
-            self.scheduler.step_update(num_updates=self._accelerator.optimizer_steps,
+            self.scheduler.step_update(num_updates=self._run.optimizer_steps,
                                        metric=metric)
 
     def _advances(self) -> bool:
         """Whether a per-step call advances now: once per window whose step really ran."""
-        window = self._accelerator._window.index
+        window = self._run.window.index
         if self._optimizer is not None and self._optimizer.stepped_window != window:
             return False  # off the boundary, or the fp16 step was skipped
         if self._stepped_window == window:

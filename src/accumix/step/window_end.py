@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from accumix.accelerator import Accelerator
     from accumix.step.optim import AcceleratedOptimizer
+    from accumix.step.run_state import RunState
 
 
-def zero_grad(acc: Accelerator, optimizer: AcceleratedOptimizer, set_to_none: bool) -> None:
+def zero_grad(run: RunState, optimizer: AcceleratedOptimizer, set_to_none: bool) -> None:
     """``optimizer.zero_grad()``: clears, as torch does, unless the gradients hold micro-steps
     of a window that its step has not used yet.
 
@@ -34,20 +34,20 @@ def zero_grad(acc: Accelerator, optimizer: AcceleratedOptimizer, set_to_none: bo
     the window ends (``close_window``), so a skipped window never leaks into the next. After
     the boundary's block the window is over: it clears at once.
     """
-    state, window = optimizer.window_grads, acc._window
+    state, window = optimizer.window_grads, run.window
     if state.keeps(window):
         if not window.is_boundary:
             return
-        if acc._in_micro_step and state.first_micro_step < window.micro_step:
+        if run.in_micro_step and state.first_micro_step < window.micro_step:
             state.zero_request = set_to_none
             return
-    acc.strategy.zero_grad(optimizer.optimizer, set_to_none)
+    run.strategy.zero_grad(optimizer.optimizer, set_to_none)
     state.clear()
-    if not acc._in_micro_step and window.is_boundary:  # maybe what the scale update awaited
-        update_loss_scale(acc)
+    if not run.in_micro_step and window.is_boundary:  # maybe what the scale update awaited
+        update_loss_scale(run)
 
 
-def update_loss_scale(acc: Accelerator, *, window_over: bool = False) -> None:
+def update_loss_scale(run: RunState, *, window_over: bool = False) -> None:
     """Moves the loss scale once per window, after all of its steps: every backward and every
     finalize of a window use one scale, however many optimizers step, in whichever order,
     inside the ``with acc.accumulate():`` block or after it (GradScaler's ``update()`` after
@@ -58,17 +58,17 @@ def update_loss_scale(acc: Accelerator, *, window_over: bool = False) -> None:
         window_over: the next window begins (or a checkpoint is loaded over this state):
             update even if an optimizer that a backward reached was neither stepped nor zeroed.
     """
-    record = acc._step
+    record = run.step
     if record.found_inf is None:
         return
-    index = acc._window.index
-    if not window_over and any(o.window_grads.awaits_step(index) for o in acc._optimizers):
+    index = run.window.index
+    if not window_over and any(o.window_grads.awaits_step(index) for o in run.optimizers):
         return
     found_inf, record.found_inf = record.found_inf, None
-    acc.strategy.scaler.update(bool(found_inf.item()))
+    run.strategy.scaler.update(bool(found_inf.item()))
 
 
-def close_window(acc: Accelerator, *, window_over: bool = True) -> None:
+def close_window(run: RunState, *, window_over: bool = True) -> None:
     """Ends the window that ended last, before the next one begins: its loss-scale update, and
     the zero_grad calls left to its end (``zero_grad``).
 
@@ -76,22 +76,22 @@ def close_window(acc: Accelerator, *, window_over: bool = True) -> None:
         window_over: False before a checkpoint is written: a step may still follow the save,
             so the scale moves only if no optimizer awaits one (saving never changes training).
     """
-    update_loss_scale(acc, window_over=window_over)
-    for opt in acc._optimizers:
+    update_loss_scale(run, window_over=window_over)
+    for opt in run.optimizers:
         state = opt.window_grads
         if state.zero_request is not None:
-            acc.strategy.zero_grad(opt.optimizer, state.zero_request)
+            run.strategy.zero_grad(opt.optimizer, state.zero_request)
             state.clear()
 
 
-def pending_overflow(acc: Accelerator) -> bool | None:
+def pending_overflow(run: RunState) -> bool | None:
     """The overflow of a window whose scale update has not been made yet (None: none pending),
     as a checkpoint stores it."""
-    found_inf = acc._step.found_inf
+    found_inf = run.step.found_inf
     return None if found_inf is None else bool(found_inf.item())
 
 
-def set_pending_overflow(acc: Accelerator, overflow: bool | None) -> None:
+def set_pending_overflow(run: RunState, overflow: bool | None) -> None:
     """Restores ``pending_overflow``: the update is made before the next window begins."""
-    acc._step.found_inf = None if overflow is None else torch.tensor([float(overflow)],
-                                                                     device=acc.device)
+    run.step.found_inf = None if overflow is None else torch.tensor([float(overflow)],
+                                                                     device=run.device)

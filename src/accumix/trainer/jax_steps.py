@@ -220,11 +220,9 @@ class JaxSteps:
 
     def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
              before_publish: Callable[[Path], None] | None = None) -> Path:
-        from accumix.jax import checkpoint
-
-        self.accelerator.check(self.state)  # as acc.save_state does
-        return checkpoint.save(self.accelerator, run_dir, self.state, keep_last=keep_last,
-                               extra_state=extra_state, before_publish=before_publish)
+        return self.accelerator.save_state(run_dir, self.state, keep_last=keep_last,
+                                           extra_state=extra_state,
+                                           before_publish=before_publish)
 
     def load(self, path: Path) -> None:
         self.state = self.accelerator.load_state(path, self.state)

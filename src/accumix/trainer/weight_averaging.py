@@ -190,7 +190,8 @@ class WeightAveraging(Callback):
         """
         from accumix.checkpoint.model_file import write_full_state
 
-        return write_full_state(trainer.accelerator, self.full_state_dict(trainer), directory)
+        return write_full_state(trainer.accelerator.strategy, self.full_state_dict(trainer),
+                                directory)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
