@@ -90,3 +90,25 @@ def test_backend_free_modules_import_no_backend() -> None:
         text = (SRC / "memory" / f"{name}.py").read_text()
         top = text.split("if TYPE_CHECKING:")[0]
         assert not backend.search(top), name
+
+
+def test_a_checkpoint_written_before_the_layout_resumes_bitwise(tmp_path) -> None:
+    """``tests/golden/pre_layout``: saved at step 2 by the code before the move (edc5529), with
+    the weights of the same run after step 4. Resumed here, steps 3-4 give those weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.golden.pre_layout.make import build, train
+
+    golden = Path(__file__).resolve().parents[1] / "golden" / "pre_layout"
+    shutil.copytree(golden / "run", tmp_path / "run")
+    acc, model, opt, loader, sched = build()
+    acc.load_state(tmp_path / "run")
+    assert acc.optimizer_steps == 2
+    train(acc, model, opt, loader, sched, until=4)
+    expected = load_file(str(golden / "after-step-4.safetensors"))
+    got = acc.unwrap(model).state_dict()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
