@@ -12,7 +12,7 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -111,3 +111,91 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.lin(x))
+
+
+# -- counting what collectives move ---------------------------------------------------------
+# The torch.distributed functions that move tensors, and which of their tensors is the
+# logical (unsharded) payload: an all-gather's output, a reduce-scatter's input, the tensor
+# itself otherwise. FSDP2 (torch 2.13) calls all_gather_single / reduce_scatter_single /
+# all_reduce; DeepSpeed's comm calls these through ``torch.distributed`` too.
+_PAYLOAD = {  # name: (position, keyword) of the payload tensor (or list)
+    "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
+    "all_gather_into_tensor": (0, "output_tensor"), "_all_gather_base": (0, "output_tensor"),
+    "all_gather_single": (0, "output_tensor"), "all_gather": (0, "tensor_list"),
+    "reduce_scatter_tensor": (1, "input"), "_reduce_scatter_base": (1, "input"),
+    "reduce_scatter_single": (1, "input"), "reduce_scatter": (1, "input_list"),
+    "all_to_all_single": (1, "input"),
+}
+
+
+class Collective(NamedTuple):
+    """One collective call on this rank: the function, the group's global ranks, the payload's
+    dtype and bytes (the whole logical tensor: what an all-gather delivers, what a
+    reduce-scatter reduces)."""
+
+    op: str
+    ranks: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+class CollectiveLog:
+    """Records every ``torch.distributed`` collective this process calls while active.
+
+    ``with CollectiveLog() as log: ...`` patches the module's functions (code that looks them up
+    as ``dist.<name>`` at call time is seen; C++ callers such as DDP's reducer without a comm
+    hook are not). ``log.nbytes(where=...)`` sums the payloads, e.g. those whose group spans
+    two nodes: ``where=lambda ranks: len({r // 2 for r in ranks}) > 1``.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[Collective] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CollectiveLog:
+        import torch.distributed as dist
+
+        for name, where in _PAYLOAD.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+            setattr(dist, name, self._wrap(name, where, original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
+
+    def _wrap(self, name: str, where: tuple[int, str], original: Callable[..., Any]
+              ) -> Callable[..., Any]:
+        import torch.distributed as dist
+
+        index, keyword = where
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[index] if len(args) > index else kwargs.get(keyword)
+            if isinstance(tensor, (list, tuple)):  # all_gather(list, t): the list's total
+                tensors = [t for t in tensor if isinstance(t, torch.Tensor)]
+            else:
+                tensors = [tensor] if isinstance(tensor, torch.Tensor) else []
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            ranks = tuple(dist.get_process_group_ranks(group if group is not None
+                                                       else dist.group.WORLD))
+            if tensors:
+                self.calls.append(Collective(name, ranks, tensors[0].dtype,
+                                             sum(t.numel() * t.element_size() for t in tensors)))
+            return original(*args, **kwargs)
+
+        return counted
+
+    def nbytes(self, where: Callable[[tuple[int, ...]], bool] | None = None,
+               op: str | None = None) -> int:
+        """The payload bytes of the calls whose group's ranks satisfy ``where`` (and ``op``)."""
+        return sum(c.nbytes for c in self.calls
+                   if (where is None or where(c.ranks)) and (op is None or c.op == op))

@@ -15,7 +15,7 @@ import torch
 from accumix.cli.launch import plan_launch, slurm_settings, torchrun_args
 from accumix.cli.main import main
 from accumix.errors import ConfigError
-from accumix.memory import estimate_memory
+from accumix.memory.model import estimate_memory
 from accumix.recipes.gpt import GPT, GPTConfig
 
 # The default recipe, shrunk to seconds: 1 layer, short documents, 20 files, 8 steps.

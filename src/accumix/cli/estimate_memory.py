@@ -65,7 +65,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     from accumix.cli.launch import resolve_nproc
     from accumix.cli.train import load_train_config
-    from accumix.memory import (
+    from accumix.memory.model import (
         PRECISIONS,
         choose_strategy,
         device_free_bytes,

@@ -19,8 +19,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from accumix.env import first_host
 from accumix.errors import ConfigError
+from accumix.runtime.env import first_host
 from accumix.testing import free_port
 
 DEFAULT_MULTINODE_PORT = 29500
@@ -84,7 +84,7 @@ def slurm_settings(environ: Mapping[str, str]) -> dict[str, int | str]:
     if nodes > 1:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
         out["master_addr"] = first_host(nodelist)
-        # Lightning's rule, as accumix.env uses it: two jobs on one node get different ports.
+        # Lightning's rule, as runtime/env.py uses it: two jobs on one node get other ports.
         out["master_port"] = 10000 + int(environ["SLURM_JOB_ID"]) % 10000
     if environ.get("SLURM_GPUS_ON_NODE"):
         out["gpus"] = int(environ["SLURM_GPUS_ON_NODE"])

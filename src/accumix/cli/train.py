@@ -58,9 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from accumix.accumulation import derive_grad_accum_steps
-    from accumix.env import detect_launch_env
     from accumix.recipes import default
+    from accumix.runtime.env import detect_launch_env
+    from accumix.step.accumulation import derive_grad_accum_steps
     from accumix.trainer.config import to_dict
 
     config = load_train_config(args.items)

@@ -58,11 +58,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.accumulation import rescale_grads_
-from accumix.compile import Compiler, reporting_failures
 from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.step.accumulation import rescale_grads_
+from accumix.step.compile import Compiler, reporting_failures
 from accumix.strategies import deepspeed_probe, deepspeed_state
 from accumix.strategies.base import Strategy
 from accumix.strategies.deepspeed_config import (

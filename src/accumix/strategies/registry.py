@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
-from accumix.memory import PRECISIONS, choose_strategy, device_free_bytes, estimate_memory
+from accumix.memory.model import PRECISIONS, choose_strategy, device_free_bytes, estimate_memory
 from accumix.precision import Policy
+from accumix.runtime.env import LaunchEnv
 from accumix.strategies.base import Strategy
 
 log = logging.getLogger("accumix")
@@ -93,7 +93,7 @@ def choose_auto_strategy(
 
     One process is ``single``; otherwise the least communication whose model states fit
     ``headroom * device_bytes`` per rank: ddp, then zero1, fsdp ``grad_op``, fsdp ``full``
-    (``accumix.memory.choose_strategy``; fsdp ``full`` also when nothing fits).
+    (``accumix.memory.model.choose_strategy``; fsdp ``full`` also when nothing fits).
 
     Args:
         model: the user's plain model (its parameters are counted).
