@@ -3,6 +3,9 @@
 Each rank is a fresh ``spawn``-ed interpreter with torchrun's variables set, one CPU thread,
 ``MASTER_ADDR=127.0.0.1`` and a free port. Results come back in rank order; a rank's exception
 is re-raised here with its traceback. Group many checks in one call: a spawn costs seconds.
+``spawn(fn, 4, nodes=2)`` simulates two machines of two ranks each: every rank gets the
+per-node variables torchrun's agent on its node would set (``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``), on one loopback.
 """
 
 from __future__ import annotations
@@ -29,14 +32,20 @@ class RankFailed(RuntimeError):
     """A spawned rank raised; the message holds its traceback."""
 
 
+def node_variables(rank: int, world: int, nodes: int = 1) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of ``world`` ranks on ``nodes`` machines of equal size,
+    ranks numbered node by node (as torchrun's agents number them)."""
+    per_node = world // nodes
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node),
+            "GROUP_WORLD_SIZE": str(nodes)}
+
+
 def _run_rank(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
-              env: dict[str, str], queue: Any) -> None:
+              env: dict[str, str], queue: Any, nodes: int = 1) -> None:
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update({**node_variables(rank, world, nodes), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     import torch
 
     torch.set_num_threads(1)
@@ -52,7 +61,8 @@ def _run_rank(fn: Callable[..., Any], rank: int, world: int, port: int, args: tu
 
 
 def spawn(fn: Callable[..., Any], nprocs: int = 2, args: tuple[Any, ...] = (),
-          env: dict[str, str] | None = None, timeout: float = 240.0) -> list[Any]:
+          env: dict[str, str] | None = None, timeout: float = 240.0, *, nodes: int = 1
+          ) -> list[Any]:
     """Runs ``fn(*args)`` on ``nprocs`` ranks and returns each rank's result, rank order.
 
     Args:
@@ -61,17 +71,22 @@ def spawn(fn: Callable[..., Any], nprocs: int = 2, args: tuple[Any, ...] = (),
         args: passed to ``fn`` on every rank.
         env: extra environment variables for the ranks.
         timeout: seconds before the ranks are killed and this raises.
+        nodes: simulated machines, ``nprocs // nodes`` ranks each (consecutive ranks share
+            one): the per-node variables are set as torchrun sets them on each node.
 
     Raises:
         RankFailed: a rank raised, died, or the run timed out.
+        ValueError: ``nodes`` does not divide ``nprocs``.
     """
+    if nodes < 1 or nprocs % nodes:
+        raise ValueError(f"nodes={nodes} does not divide nprocs={nprocs}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     # Not daemonic: a rank may start DataLoader workers. The ``finally`` below kills any rank
     # still alive, so none outlives this call.
     procs = [
-        ctx.Process(target=_run_rank, args=(fn, r, nprocs, port, args, env or {}, queue),
+        ctx.Process(target=_run_rank, args=(fn, r, nprocs, port, args, env or {}, queue, nodes),
                     daemon=False)
         for r in range(nprocs)
     ]

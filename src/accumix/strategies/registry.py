@@ -27,6 +27,7 @@ _STRATEGIES = {
     "ddp": "accumix.strategies.ddp:DDPStrategy",
     "zero1": "accumix.strategies.zero1:ZeRO1Strategy",
     "fsdp": "accumix.strategies.fsdp:FSDPStrategy",
+    "hsdp": "accumix.strategies.hsdp:HSDPStrategy",
     "deepspeed": "accumix.strategies.deepspeed:DeepSpeedStrategy",
 }
 STRATEGY_WORDS = ("auto", *_STRATEGIES)
