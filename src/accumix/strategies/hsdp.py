@@ -83,7 +83,8 @@ class HSDPStrategy(FSDPStrategy):
         activation_checkpointing: bool = False,
     ) -> None:
         super().__init__(sharding=sharding, wrap=wrap, parallelize_fn=parallelize_fn,
-                         reduce_dtype=reduce_dtype, activation_checkpointing=activation_checkpointing)
+                         reduce_dtype=reduce_dtype,
+                         activation_checkpointing=activation_checkpointing)
         if replicas is not None and (
                 isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
             raise ConfigError(f"HSDPStrategy(replicas={replicas!r}) is invalid; use the number "
