@@ -349,7 +349,7 @@ def choose_strategy(
                 reason += f"; ddp needs {_gib(ddp_total)}"
             if strategy == "hsdp":
                 within = f"the {ranks_per_node} ranks of a node" if ranks_per_node else "a node"
-                reason += (f", so sharded within {within} and replicated across nodes: "
+                reason += (f"; sharded within {within}, replicated across nodes: "
                            "the nodes exchange gradient shards once per step")
             return StrategyChoice(strategy=strategy, sharding=sharding, reason=reason)
     full_total = by_name["fsdp-full"].total_bytes
