@@ -13,6 +13,7 @@ The traffic across nodes, measured under two ``accumix launch --nnodes 2`` launc
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,8 @@ def _train(strategy: Any, model: nn.Module, data: Any, *, steps: int, items: boo
             opt.zero_grad()
         if acc.sync_gradients:
             digests.append(_digest(acc.unwrap(model)))
+    if acc.strategy.name == "deepspeed":  # ZeRO-3's partitions, gathered on every rank
+        return list(params(acc, model).values()), acc, digests
     return _full(list(acc.unwrap(model).parameters())), acc, digests
 
 
@@ -243,8 +246,25 @@ def _resume_reference() -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
+def _hpz(run_dir: str) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 with ZeRO++'s secondary partition within each node: the large batch
+    (K=4, items, StepLR, a short last window; and the resume job's K=2, mean, Adam), and a
+    resume on the same mesh (three engines: DeepSpeed's import and first engine cost most)."""
+    data, model = w.sequence_data(56), Net(in_features=4)
+    ref = w.reference_params(model, data, MICRO * WORLD * 4, items=True, sched=True)
+    got, acc, _ = _train(ax.DeepSpeedStrategy(stage=3, hpz="node"), model, data, steps=4,
+                         items=True, sched=True)
+    out: dict[str, Any] = {"K4/items": (w.max_diff(ref, got), acc.optimizer_steps,
+                                        acc.strategy._engine(None).zero_hpz_partition_size())}
+    out["straight"] = _resume_run(ax.DeepSpeedStrategy(stage=3, hpz="node"), save=run_dir)
+    out["resumed"] = _resume_run(ax.DeepSpeedStrategy(stage=3, hpz="node"), load=run_dir)
+    return out
+
+
 def _four_rank_job(run_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"interleaved": _refuses_interleaved_nodes()}
+    if importlib.util.find_spec("deepspeed") is not None:
+        out["hpz"] = _hpz(run_dir + "-hpz")
     out["exact"] = _exactness()
     out["overflow"] = _overflow_on_one_rank()
     out["memory"] = _memory()
@@ -326,3 +346,16 @@ def test_checkpoint_moves_between_meshes(four_ranks) -> None:
     for name, got in two.items():
         assert _max_diff(got, straight) < TOL, name
     assert _max_diff(_resume_run("single", load=str(run_dir)), straight) < TOL
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_hpz_within_a_node_equals_the_large_batch(four_ranks) -> None:
+    results, _ = four_ranks
+    for rank, r in enumerate(results):
+        hpz = r["hpz"]
+        diff, steps, size = hpz["K4/items"]
+        assert diff < TOL and steps == 2, (rank, hpz["K4/items"])
+        assert size == 2, (rank, hpz["K4/items"])  # the ranks of a node
+    hpz = results[0]["hpz"]
+    assert _max_diff(hpz["straight"], _resume_reference()) < TOL
+    assert all(np.array_equal(hpz["resumed"][k], hpz["straight"][k]) for k in hpz["straight"])

@@ -27,6 +27,7 @@ from accumix.errors import ConfigError
 from accumix.precision import LossScaler, Policy
 from accumix.strategies.base import grad_mark
 from accumix.strategies.fsdp import FSDPStrategy, ParallelizeFn, _gradient_sync_off
+from accumix.strategies.node_groups import check_groups_within_nodes, mesh_shape
 
 MESH_DIMS = ("replicate", "shard")
 
@@ -104,15 +105,8 @@ class HSDPStrategy(FSDPStrategy):
     def device_mesh(self) -> DeviceMesh:
         """The (replicas, shard) mesh over consecutive ranks, after checking that each shard
         group's ranks share a node (one small all-gather)."""
-        nodes = self.all_gather_object(self.launch.node_rank)
-        for first in range(0, self.world_size, self.shard_size):
-            group = nodes[first:first + self.shard_size]
-            if len(set(group)) > 1:
-                raise ConfigError(
-                    f"strategy='hsdp' shards over consecutive ranks, but ranks {first}.."
-                    f"{first + self.shard_size - 1} are on nodes {sorted(set(group))} (node of "
-                    f"each rank: {nodes}); number each node's ranks consecutively (torchrun "
-                    "does; srun --distribution=block)")
+        check_groups_within_nodes(self.all_gather_object(self.launch.node_rank),
+                                  self.shard_size, "strategy='hsdp' shards")
         return init_device_mesh(self.device.type, (self.replicas, self.shard_size),
                                 mesh_dim_names=MESH_DIMS)
 
@@ -160,42 +154,6 @@ class HSDPStrategy(FSDPStrategy):
     def probe_settings(self) -> dict[str, Any]:
         return {**super().probe_settings(), "mesh": [self.replicas, self.shard_size],
                 "defer_reduce_scatter": self.defer_reduce_scatter}
-
-
-def mesh_shape(replicas: int | None, launch: LaunchEnv) -> tuple[int, int]:
-    """(replicas, ranks per shard group) of hsdp in ``launch``.
-
-    Raises:
-        ConfigError: a degenerate or impossible mesh, with the strategy or value that works.
-    """
-    world, per_node = launch.world_size, launch.local_world_size
-    given = replicas is not None
-    replicas = launch.num_nodes if replicas is None else replicas
-    what = f"replicas={replicas}" if given else f"the launch's {replicas} node(s)"
-    if world % replicas:
-        fits = [r for r in range(2, world) if world % r == 0 and (world // r) > 1
-                and per_node % (world // r) == 0]
-        raise ConfigError(
-            f"strategy='hsdp' with {what} does not divide the world of {world} ranks; use "
-            f"replicas in {fits} or None (the nodes)" if fits else
-            f"strategy='hsdp' with {what} does not divide the world of {world} ranks and no "
-            "hybrid mesh fits it; use strategy='fsdp' or 'ddp'")
-    shard = world // replicas
-    if replicas == 1:
-        raise ConfigError(
-            f"strategy='hsdp' with {what} has one replica of {world} ranks: that is "
-            "strategy='fsdp'; use it, or launch on several nodes (accumix launch --nnodes N)")
-    if shard == 1:
-        raise ConfigError(
-            f"strategy='hsdp' with {what} makes shard groups of one rank: that is "
-            "strategy='ddp'; use it, or launch several ranks per node")
-    if per_node % shard:
-        raise ConfigError(
-            f"strategy='hsdp' with {what} makes shard groups of {shard} ranks, which do not fit "
-            f"in the {per_node} ranks of a node: every micro-step's gathers would cross nodes; "
-            f"use replicas={world // per_node} (the nodes) or a multiple of it, or "
-            "strategy='fsdp'")
-    return replicas, shard
 
 
 @contextlib.contextmanager
