@@ -208,6 +208,53 @@ def _memory() -> dict[str, int]:
             "hsdp": estimates["hsdp-full"], "ddp": estimates["ddp"]}
 
 
+def _out_of_memory_split() -> dict[str, Any]:
+    """Rank 3 runs out of memory on each boundary micro-step (K=2): every rank runs its
+    micro-batch as pieces, and only the last piece's backward all-reduces across nodes."""
+    from accumix.testing import CollectiveLog
+    from tests.oom_injection import OOMAbove, make_model
+
+    out: dict[str, Any] = {}
+    for split in (False, True):
+        acc = ax.Accelerator(strategy="hsdp", precision="fp32", grad_accum_steps=2)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt, loader = acc.setup(model, opt, DataLoader(w.regression_data(32),
+                                                              batch_size=4))
+        head = next(m for m in acc.unwrap(model).modules() if isinstance(m, OOMAbove))
+        with CollectiveLog() as log:
+            for i, batch in enumerate(loader):
+                head.limit = 1 if split and acc.rank == 3 and i % 2 else None
+                with acc.accumulate():
+                    acc.run_micro_batch(lambda b, model=model: w.mean_loss(model, b), batch)
+                    opt.step()
+                    opt.zero_grad()
+        gradients = log.nbytes(_crosses, op="all_reduce") - log.nbytes(
+            lambda ranks: _crosses(ranks) and len(ranks) == WORLD, op="all_reduce")
+        out[split] = (_full(list(acc.unwrap(model).parameters())), gradients, head.raised)
+    return {"diff": w.max_diff(out[False][0], out[True][0]), "bytes": (out[False][1],
+            out[True][1]), "raised": out[True][2]}
+
+
+def _crosses(ranks: tuple[int, ...]) -> bool:
+    return len({r // (WORLD // NODES) for r in ranks}) > 1
+
+
+def _auto_picks_hsdp() -> dict[str, Any]:
+    """strategy="auto" on 2 nodes, a device where hsdp fits and ddp does not (fake size)."""
+    from unittest import mock
+
+    model, data = Net(), w.regression_data(64)
+    totals = {e.strategy: e.total_bytes for e in estimate_memory(
+        model, world_size=WORLD, ranks_per_node=WORLD // NODES, optimizer_states=1)}
+    device = int((totals["ddp"] + totals["hsdp-grad_op"]) / 2 / 0.8)
+    with mock.patch("accumix.strategies.registry.device_free_bytes", return_value=device):
+        got, acc = w.accumix_params(model, data, micro_batch=MICRO, steps=2, items=False)
+    ref = w.reference_params(model, data, MICRO * WORLD * 2, items=False)
+    return {"chosen": (acc.strategy.name, acc.strategy.sharding), "diff": w.max_diff(ref,
+                                                                                  _full(got))}
+
+
 # -- checkpoints across meshes ---------------------------------------------------------------
 def _resume_run(strategy: Any, *, load: str | None = None, save: str | None = None
                 ) -> dict[str, np.ndarray]:
@@ -268,6 +315,8 @@ def _four_rank_job(run_dir: str) -> dict[str, Any]:
     out["exact"] = _exactness()
     out["overflow"] = _overflow_on_one_rank()
     out["memory"] = _memory()
+    out["oom"] = _out_of_memory_split()
+    out["auto"] = _auto_picks_hsdp()
     out["straight"] = _resume_run(ax.HSDPStrategy(), save=run_dir)
     for name, strategy in (("hsdp", ax.HSDPStrategy()), ("fsdp", "fsdp"), ("ddp", "ddp")):
         out[f"resumed/{name}"] = _resume_run(strategy, load=run_dir)
@@ -324,6 +373,22 @@ def test_ranks_not_numbered_node_by_node_are_refused(four_ranks) -> None:
     for r in results:
         assert "ranks 0..1 are on nodes [0, 1]" in r["interleaved"], r["interleaved"]
         assert "srun --distribution=block" in r["interleaved"]
+
+
+def test_out_of_memory_pieces_cross_nodes_once(four_ranks) -> None:
+    results, _ = four_ranks
+    for rank, r in enumerate(results):
+        oom = r["oom"]
+        # rank 3 raised at 4 rows, then 2 and 2: every rank ran 4 pieces of one row
+        assert oom["diff"] < TOL and oom["raised"] == (3 if rank == 3 else 0), (rank, oom)
+        # the gradient all-reduces across the replicas: the same bytes split or not
+        assert oom["bytes"][0] == oom["bytes"][1] > 0, (rank, oom)
+
+
+def test_auto_picks_hsdp_on_two_nodes_when_ddp_does_not_fit(four_ranks) -> None:
+    results, _ = four_ranks
+    for r in results:
+        assert r["auto"]["chosen"] == ("hsdp", "grad_op") and r["auto"]["diff"] < TOL, r["auto"]
 
 
 def test_memory_model_and_measured_states(four_ranks) -> None:

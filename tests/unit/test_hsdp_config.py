@@ -146,3 +146,35 @@ def test_estimate_memory_cli_lists_hsdp_on_several_nodes(
     assert main(["estimate-memory", "--params", "7e9", "--world-size", "4", "--nodes",
                  "3"]) == 2
     assert "--nodes=3 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"stage": 2, "hpz": "node"}, r"hpz='node'\) partitions ZeRO-3's parameters; use stage=3"),
+    ({"stage": 3, "hpz": 1}, r"hpz=1\) is invalid"),
+    ({"stage": 3, "hpz": "rack"}, r"hpz='rack'\) is invalid"),
+])
+def test_deepspeed_hpz_needs_stage_3_and_a_size(kwargs, message) -> None:
+    from accumix.strategies.deepspeed import DeepSpeedStrategy  # refused before its import
+
+    with pytest.raises(ax.ConfigError, match=message):
+        DeepSpeedStrategy(**kwargs)
+
+
+def test_deepspeed_hpz_partition_within_a_node() -> None:
+    from accumix.strategies.deepspeed_config import deepspeed_config
+    from accumix.strategies.node_groups import hpz_partition_size
+
+    assert hpz_partition_size("node", _launch(64, 8)) == 8
+    assert hpz_partition_size(4, _launch(64, 8)) == 4
+    with pytest.raises(ax.ConfigError, match="that is plain ZeRO-3; leave hpz out"):
+        hpz_partition_size("node", _launch(8, 8))
+    with pytest.raises(ax.ConfigError, match="do not divide the 8 ranks of a node"):
+        hpz_partition_size(16, _launch(64, 8))
+    config = deepspeed_config(stage=3, grad_accum_steps=1, micro_batch_size=2, dp_world_size=4,
+                              policy=Policy(name="fp32"), loss_scale=None,
+                              hpz_partition_size=2)
+    assert config["zero_optimization"]["zero_hpz_partition_size"] == 2
+    with pytest.raises(ax.ConfigError, match="zero_hpz_partition_size=4"):
+        deepspeed_config(stage=3, grad_accum_steps=1, micro_batch_size=2, dp_world_size=4,
+                         policy=Policy(name="fp32"), loss_scale=None, hpz_partition_size=2,
+                         user_config={"zero_optimization": {"zero_hpz_partition_size": 4}})
