@@ -17,7 +17,8 @@ their payload bytes by whether the group's ranks span both nodes. Rows:
   the shards all-reduced across nodes at the boundary;
 * hsdp (full grads): ``HSDPStrategy(defer_reduce_scatter=True)``;
 * deepspeed-3 and deepspeed-3 hpz (``DeepSpeedStrategy(stage=3, hpz="node")``), when
-  DeepSpeed is installed.
+  DeepSpeed is installed, with ``stage3_param_persistence_threshold=0`` (every parameter
+  gathered at its use, as a large model's are).
 
 Memory per device: the model states a rank holds (each storage once): the peak of parameter
 storage over the forward (shards and gathered buffers), the most gradient storage held during
@@ -83,7 +84,11 @@ def make_strategy(row: str) -> Any:
     if row.startswith("hsdp"):
         return ax.HSDPStrategy(defer_reduce_scatter=row == "hsdp-defer")
     if row.startswith("deepspeed"):
-        return ax.DeepSpeedStrategy(stage=3, hpz="node" if row.endswith("hpz") else None)
+        # Threshold 0: every parameter partitioned and gathered at its use, as nearly all of a
+        # large model's are (DeepSpeed keeps those under 1e5 elements, here all, gathered).
+        return ax.DeepSpeedStrategy(stage=3, hpz="node" if row.endswith("hpz") else None,
+                                    config={"zero_optimization": {
+                                        "stage3_param_persistence_threshold": 0}})
     return "ddp"
 
 

@@ -255,6 +255,17 @@ def _auto_picks_hsdp() -> dict[str, Any]:
                                                                                   _full(got))}
 
 
+def _compiled() -> dict[str, Any]:
+    """``acc.setup(torch.compile(model))`` under hsdp (dynamo's eager backend): each block
+    compiled once, no recompilation over K=3 with a short last window, the eager run's result
+    (``tests/compile_workloads.py``, as for the other strategies)."""
+    from tests import compile_workloads as cw
+
+    # 80 samples: each of 4 ranks 5 micro-batches of 4, windows of 3 and 2
+    eager = cw.train(strategy="hsdp", how="eager", samples=80)
+    return cw.check(cw.train(strategy="hsdp", how="wrapped", samples=80), eager)
+
+
 # -- checkpoints across meshes ---------------------------------------------------------------
 def _resume_run(strategy: Any, *, load: str | None = None, save: str | None = None
                 ) -> dict[str, np.ndarray]:
@@ -317,6 +328,7 @@ def _four_rank_job(run_dir: str) -> dict[str, Any]:
     out["memory"] = _memory()
     out["oom"] = _out_of_memory_split()
     out["auto"] = _auto_picks_hsdp()
+    out["compiled"] = _compiled()
     out["straight"] = _resume_run(ax.HSDPStrategy(), save=run_dir)
     for name, strategy in (("hsdp", ax.HSDPStrategy()), ("fsdp", "fsdp"), ("ddp", "ddp")):
         out[f"resumed/{name}"] = _resume_run(strategy, load=run_dir)
@@ -389,6 +401,14 @@ def test_auto_picks_hsdp_on_two_nodes_when_ddp_does_not_fit(four_ranks) -> None:
     results, _ = four_ranks
     for r in results:
         assert r["auto"]["chosen"] == ("hsdp", "grad_op") and r["auto"]["diff"] < TOL, r["auto"]
+
+
+def test_compiled_blocks_equal_eager_without_recompiling(four_ranks) -> None:
+    results, _ = four_ranks
+    for r in results:
+        compiled = r["compiled"]
+        assert compiled["within"] and compiled["recompiles"] == 0, compiled
+        assert compiled["frames"] > 0 and compiled["keys_clean"] and compiled["unwrap_is_user"]
 
 
 def test_memory_model_and_measured_states(four_ranks) -> None:
