@@ -54,9 +54,10 @@ def test_one_process_refuses_hsdp_at_creation_and_the_cli_exits_2(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ax.ConfigError, match="use it, or launch on several nodes"):
         ax.Accelerator(strategy="hsdp")
-    assert main(["train", "strategy=hsdp", "nproc=1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "that is strategy='fsdp'" in err, err
+    for nproc in (1, 2):  # 2: refused before launching the ranks
+        assert main(["train", "strategy=hsdp", f"nproc={nproc}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "that is strategy='fsdp'" in err, err
 
 
 def test_launch_variables_name_the_node() -> None:
