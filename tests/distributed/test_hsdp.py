@@ -266,6 +266,18 @@ def _compiled() -> dict[str, Any]:
     return cw.check(cw.train(strategy="hsdp", how="wrapped", samples=80), eager)
 
 
+def _micro_batch_auto() -> dict[str, Any]:
+    """``micro_batch_size="auto"`` under hsdp, rank 1 running out of memory in the backward
+    above 5 rows (``test_micro_batch_auto``'s job): every rank chooses 3 (of 24 / 4 ranks) and
+    trains bitwise as the run given 3."""
+    from tests.distributed import test_micro_batch_auto as auto
+
+    _, steps, explicit = auto._train("hsdp", 3, "")
+    chosen, auto_steps, got = auto._train("hsdp", "auto", "backward")
+    return {"chosen": chosen, "steps": (auto_steps, steps),
+            "unequal": [k for k in explicit if not torch.equal(got[k], explicit[k])]}
+
+
 # -- checkpoints across meshes ---------------------------------------------------------------
 def _resume_run(strategy: Any, *, load: str | None = None, save: str | None = None
                 ) -> dict[str, np.ndarray]:
@@ -329,6 +341,7 @@ def _four_rank_job(run_dir: str) -> dict[str, Any]:
     out["oom"] = _out_of_memory_split()
     out["auto"] = _auto_picks_hsdp()
     out["compiled"] = _compiled()
+    out["micro_batch_auto"] = _micro_batch_auto()
     out["straight"] = _resume_run(ax.HSDPStrategy(), save=run_dir)
     for name, strategy in (("hsdp", ax.HSDPStrategy()), ("fsdp", "fsdp"), ("ddp", "ddp")):
         out[f"resumed/{name}"] = _resume_run(strategy, load=run_dir)
@@ -409,6 +422,12 @@ def test_compiled_blocks_equal_eager_without_recompiling(four_ranks) -> None:
         compiled = r["compiled"]
         assert compiled["within"] and compiled["recompiles"] == 0, compiled
         assert compiled["frames"] > 0 and compiled["keys_clean"] and compiled["unwrap_is_user"]
+
+
+def test_micro_batch_auto_with_an_out_of_memory_backward(four_ranks) -> None:
+    results, _ = four_ranks
+    for r in results:
+        assert r["micro_batch_auto"] == {"chosen": 3, "steps": (4, 4), "unequal": []}, r
 
 
 def test_memory_model_and_measured_states(four_ranks) -> None:
