@@ -3,10 +3,13 @@
 One 4-rank job: hsdp equals the one-process large batch (K=1 and K=4, mean and item modes,
 a short last window, both gradient modes) and every replica holds the same shard after each
 step; an fp16 overflow on one rank of one node skips the step on every rank; ranks not
-numbered node by node are refused; the memory model's hsdp row against the measured model
-states; a checkpoint saved on 2x2 resumes bitwise on 2x2 and on 4 ranks of fsdp and ddp.
-Then 2 ranks resume it under fsdp (a 1x2 world) and ddp (2x1), and this process on one.
-The traffic across nodes, measured under two ``accumix launch --nnodes 2`` launchers, is in
+numbered node by node are refused; an out-of-memory split at the boundary crosses nodes once;
+``auto`` picks hsdp when ddp does not fit; compiled blocks equal eager without recompiling;
+``micro_batch_size="auto"`` with an out-of-memory backward; the memory model's hsdp row
+against the measured model states; DeepSpeed ZeRO++ ``hpz="node"`` against the large batch
+and resumed bitwise; a checkpoint saved on 2x2 resumes bitwise on 2x2 and on 4 ranks of fsdp
+and ddp. Then 2 ranks resume it under fsdp (a 1x2 world) and ddp (2x1), and this process on
+one. The traffic across nodes, under two ``accumix launch --nnodes 2`` launchers, is in
 ``test_hsdp_launch.py``.
 """
 
