@@ -71,9 +71,10 @@ def _train(strategy: Any, model: nn.Module, data: Any, *, steps: int, items: boo
     return _full(list(acc.unwrap(model).parameters())), acc, digests
 
 
-def _exactness() -> dict[str, Any]:
-    """(max difference to the large batch, optimizer steps, shard digests) per case. 56
-    samples on 4 ranks with K=4: windows of 32 and a short one of 24."""
+def _exactness(out_dir: str) -> dict[str, Any]:
+    """(max difference to the large batch, optimizer steps, shard digests, mesh) per case. 56
+    samples on 4 ranks with K=4: windows of 32 and a short one of 24. The last case's
+    ``save_model`` (rank 0's file) against the large batch too."""
     out: dict[str, Any] = {}
     cases = {
         "K1/mean": (ax.HSDPStrategy(), 1, False, 64),
@@ -90,6 +91,12 @@ def _exactness() -> dict[str, Any]:
         got, acc, digests = _train(strategy, model, data, steps=steps, items=items, sched=items)
         out[name] = (w.max_diff(ref, got), acc.optimizer_steps, digests,
                      tuple(acc.strategy.mesh.shape))
+    path = acc.save_model(out_dir)  # collective; rank 0 writes
+    if acc.is_main_process:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(path))
+        out["saved"] = w.max_diff(ref, [saved[k] for k in model.state_dict()])
     return out
 
 
@@ -323,7 +330,7 @@ def four_rank_job(run_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"interleaved": _refuses_interleaved_nodes()}
     if importlib.util.find_spec("deepspeed") is not None:
         out["hpz"] = _hpz(run_dir + "-hpz")
-    out["exact"] = _exactness()
+    out["exact"] = _exactness(run_dir + "-model")
     out["overflow"] = _overflow_on_one_rank()
     out["memory"] = _memory()
     out["oom"] = _out_of_memory_split()

@@ -74,8 +74,8 @@ class HSDPStrategy(FSDPStrategy):
 
     def __init__(
         self,
-        replicas: int | None = None,
         *,
+        replicas: int | None = None,
         sharding: str = "full",
         wrap: list[type[nn.Module]] | None = None,
         parallelize_fn: ParallelizeFn | None = None,
