@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _launched_rank() -> int:
-    from accumix.launch_env import detect_launch_env
+    from accumix.common.launch_env import detect_launch_env
 
     return detect_launch_env().rank
 

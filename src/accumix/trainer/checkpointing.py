@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from accumix import run_dir as layout
+from accumix.common import run_dir as layout
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 
 if TYPE_CHECKING:

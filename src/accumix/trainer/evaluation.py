@@ -24,7 +24,7 @@ from torch.utils.data import (
     SubsetRandomSampler,
 )
 
-from accumix.data import move_to_device
+from accumix.data.loader import move_to_device
 from accumix.errors import ConfigError
 from accumix.trainer.metrics import batch_samples, split_loss
 
