@@ -162,6 +162,8 @@ def test_output_errors_of_a_two_process_job_are_one_line_before_any_rank_starts(
     ({0: 2, 1: 2}, 2),
     ({0: 2, 1: -11}, 1),  # a crash is not a config error
     ({0: 3, 1: -15}, 1),
+    ({0: 143, 1: 143}, 143),  # the Trainer's pre-emption on every rank: requeue (issue 29)
+    ({0: 143, 1: -15}, 143),
 ])
 def test_launch_exits_2_when_the_ranks_failed_with_a_config_error(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], codes, status
