@@ -85,7 +85,7 @@ from accumix.strategies.deepspeed_loss_scale import EngineLossScale
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.node_groups import check_groups_within_nodes, hpz_partition_size
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
-from accumix.strategies.optimizer_exactness import check_deepspeed
+from accumix.strategies.optimizer_exactness import check_deepspeed, is_elementwise
 
 
 # -- the strategy ----------------------------------------------------------------------------
@@ -210,7 +210,8 @@ class DeepSpeedStrategy(Strategy):
         make_parameters_contiguous_(model)  # channels_last: DeepSpeed flattens parameters
         if self.policy.half_dtype is not None:
             float32_norm_forward(model)  # the engine stores them in half, beside fp32 buffers
-        engine = initialize(model, optimizers[0], config, self.device)
+        engine = initialize(model, optimizers[0], config, self.device,
+                            vouched=is_elementwise(optimizers[0]))
         engine.set_gradient_accumulation_boundary(True)
         if self._distributed:
             agree_buffers_after_forward(engine, engine.module, self.broadcast)
