@@ -150,7 +150,9 @@ def record_backward(run: RunState, before: list[list[Any]] | None,
         if not state.first_micro_step:
             state.first_micro_step = window.micro_step
         state.fresh, state.finalized = True, False
-        state.unsynced = _sync_off(run, opt)
+        # Each rank's own until the boundary reduces them: sync was off, or the backend's
+        # backward left them unreduced (DDP: a second backward through one forward).
+        state.unsynced = _sync_off(run, opt) or not run.strategy.backward_reduced(opt.model)
         state.zero_request = None  # an earlier zero_grad of this micro-step was the loop's top
         state.backwards += 1
         if before is not None:
