@@ -4,11 +4,14 @@ fake_part, num_items=)`` in one micro-step), in both orders, mean and item mode,
 set-up loader (so the last window of the epoch may be short); and its plain-PyTorch reference
 on one process, which sees every rank's samples.
 
-The reference is the loop a plain-PyTorch user writes for accumulation: ``zero_grad()`` only on
-a window's first micro-step, ``step()`` only on its last; each optimizer's gradients divided at
-its step by its own count: the items of the backward calls that reached it since it was zeroed
-(item mode), or the window's micro-steps (mean mode, each backward's loss the mean over the
-ranks of their shards' means).
+The reference is the plain-PyTorch loop for accumulation: both optimizers zeroed at each
+window's start, ``step()`` only on its last micro-step, each optimizer's gradients divided at
+its step by its own count: the items of the backward calls that reached it (item mode), or the
+window's micro-steps (mean mode, each backward's loss the mean over the ranks of their shards'
+means). What a window's micro-steps add stays in it, G's backward through D included (accumix's
+``zero_grad()`` keeps an unfinished window); in a window of one micro-step the loop's own
+``zero_grad()`` calls act as in plain PyTorch (the G-first loop's clears what G's backward left
+on D).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from tests.multi_model import LR, MOMENTUM, _params, gan_data, gan_models
 
 def split_data(micro_steps: int, world: int, micro: int = 3) -> list[tuple[torch.Tensor, ...]]:
     """Per micro-step (every rank's samples): real samples, noise, a 0/1 weight per sample."""
-    return gan_data(steps=micro_steps, batch=micro * world, seed=7)
+    data = gan_data(steps=micro_steps, batch=micro * world, seed=7)
+    for _, _, weight in data:
+        weight[:world] = 1.0  # no rank's shard without items (the sampler deals them in turn)
+    return data
 
 
 def _terms(disc: nn.Module, real: torch.Tensor, fake: torch.Tensor, weight: torch.Tensor,
@@ -115,20 +121,22 @@ def split_reference(order: str, data: list[Any], *, steps: int, items: bool, wor
 
     for start in range(0, len(data), steps):
         window = data[start:start + steps]
+        alone = len(window) == 1  # the loop's zero_grad calls act as written
+        if not alone:
+            zero("G", opt_g)
+            zero("D", opt_d)
         for m, batch in enumerate(window):
-            first, last = m == 0, m == len(window) - 1
+            last = m == len(window) - 1
             shards = [tuple(t[r::world] for t in batch) for r in range(world)]
+            fakes = [gen(noise) for _, noise, _ in shards]
             if order == "g_first":
-                if first:
+                if alone:
                     zero("G", opt_g)
-                fakes = [gen(noise) for _, noise, _ in shards]
                 backward([_terms(disc, real, f, w, detach=False)
                           for (real, _, w), f in zip(shards, fakes, strict=True)], ("G", "D"))
                 if last:
                     step("G", opt_g, len(window))
-            else:
-                fakes = [gen(noise) for _, noise, _ in shards]
-            if first:
+            if alone:
                 zero("D", opt_d)
             backward([_terms(disc, real, f, w, detach=True)
                       for (real, _, w), f in zip(shards, fakes, strict=True)], ("D",))
@@ -136,7 +144,7 @@ def split_reference(order: str, data: list[Any], *, steps: int, items: bool, wor
                 step("D", opt_d, len(window))
                 taken += 1
             if order == "d_first":
-                if first:
+                if alone:
                     zero("G", opt_g)
                 backward([_terms(disc, real, f, w, detach=False)
                           for (real, _, w), f in zip(shards, fakes, strict=True)], ("G", "D"))
@@ -172,8 +180,10 @@ def _two_terms(model: nn.Module, batch: tuple[torch.Tensor, ...]
     return [(((out_a - ya) ** 2 * wa).sum(), wa.sum()), (((out_b - yb) ** 2 * wb).sum(), wb.sum())]
 
 
-def one_model_accumix(data: list[Any], *, steps: int, items: bool, strategy: Any = "auto",
-                      form: str = "ffbb") -> tuple[list[torch.Tensor], int]:
+def one_model_accumix(data: list[Any], *, steps: int, items: bool, strategy: Any = "auto"
+                      ) -> tuple[list[torch.Tensor], int]:
+    """One model forwarded on two batches, then one backward per batch's loss, each micro-step
+    (deepspeed refuses the second backward on a boundary micro-step)."""
     model = _net()
     acc = ax.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=steps)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -182,19 +192,11 @@ def one_model_accumix(data: list[Any], *, steps: int, items: bool, strategy: Any
     model, opt, loader = acc.setup(model, opt, DataLoader(dataset, batch_size=per_rank))
     for batch in loader:
         with acc.accumulate():
-            if form == "ffbb":
-                terms = _two_terms(model, batch)
-            elif form == "joint":
-                (sa, na), (sb, nb) = _two_terms(model, batch)
-                terms = [(sa + sb, na + nb)] if items else [(sa / na + sb / nb, 1.0)]
-            else:
-                terms = None
-                for i in range(2):
-                    half = tuple(t.clone() for t in batch)
-                    (s_, n_) = _two_terms(model, half)[i]
-                    acc.backward(s_, num_items=n_) if items else acc.backward(s_ / n_)
-            for loss_sum, n in terms or []:
-                acc.backward(loss_sum, num_items=n) if items else acc.backward(loss_sum / n)
+            for loss_sum, n in _two_terms(model, batch):
+                if items:
+                    acc.backward(loss_sum, num_items=n)
+                else:
+                    acc.backward(loss_sum / n)
             opt.step()
             opt.zero_grad()
     return _params(acc.unwrap(model)), acc.optimizer_steps
