@@ -72,19 +72,31 @@ def _rebuild(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
 
 def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
     """The user's loader with another batch size: the same dataset, sampler (so shuffle and its
-    generator), collate_fn, workers and every other setting (``micro_batch_size="auto"``).
+    generator), collate_fn, workers and every other setting (``micro_batch_size="auto"``); an
+    IterableDataset's stream is grouped into batches of the new size.
 
     Raises:
-        ConfigError: a loader with a custom batch_sampler, which has no batch size to change.
+        ConfigError: a loader with a custom batch_sampler, or over an IterableDataset that
+            batches itself: no batch size to change.
     """
+    if loader.batch_size is None and isinstance(loader.dataset, IterableDataset):
+        raise ConfigError(f"micro_batch_size='auto' re-batches the DataLoader but its "
+                          f"{type(loader.dataset).__name__} yields batches itself "
+                          "(batch_size=None); yield samples and pass batch_size=, or give "
+                          "micro_batch_size=N")
     if loader.batch_size is None:
         raise ConfigError(f"micro_batch_size='auto' re-batches the DataLoader but it has a "
                           f"custom batch_sampler ({type(loader.batch_sampler).__name__}); pass "
                           "batch_size= and shuffle= instead")
     if loader.batch_size == batch_size:
         return loader
-    return DataLoader(loader.dataset, **_loader_kwargs(
-        loader, sampler=loader.sampler, collate_fn=loader.collate_fn, batch_size=batch_size))
+    kwargs = _loader_kwargs(loader, sampler=loader.sampler, collate_fn=loader.collate_fn,
+                            batch_size=batch_size)
+    if isinstance(loader.dataset, IterableDataset):
+        # Its samples come in the dataset's own order: torch refuses any sampler option (the
+        # loader's is an internal placeholder); the re-batched loader groups them anew.
+        del kwargs["sampler"]
+    return DataLoader(loader.dataset, **kwargs)
 
 
 def _loader_kwargs(loader: DataLoader, *, sampler: Any, collate_fn: Any, batch_size: int | None
