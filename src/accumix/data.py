@@ -165,6 +165,7 @@ class AcceleratedDataLoader:
         # The interrupted run's persistent worker iterator existed: its epochs drew no seed.
         self._seeded_before = False
         self._unresumable = ""  # why a mid-epoch position cannot be continued, if it cannot
+        self._yielded: tuple[int, int | None] = (0, None)  # id of the last batch, its rows
         if isinstance(loader.dataset, IterableDataset):
             self.loader = loader  # the user shards an iterable dataset; we cannot
             self._unresumable = f"an IterableDataset ({type(loader.dataset).__name__})"
@@ -230,6 +231,7 @@ class AcceleratedDataLoader:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start_index = skip * (self.loader.batch_size or 1)
         self.position = skip
+        remaining = self._samples_this_epoch()  # read before the sampler starts (and resets)
         seeded, self._seeded_before = (self._seeded_before
                                        and getattr(self.loader, "_iterator", None) is None), False
         if skip or seeded:
@@ -261,7 +263,15 @@ class AcceleratedDataLoader:
             self.position += 1
             self._epoch_done = is_last
             self._on_batch(is_last)
-            yield move_to_device(batch, self.device, self._non_blocking) if self._move else batch
+            out = move_to_device(batch, self.device, self._non_blocking) if self._move else batch
+            rows = self.loader.batch_size
+            if rows is not None and remaining is not None:
+                rows = min(rows, remaining)
+                remaining -= rows
+            elif is_last:  # an IterableDataset's last batch may be short
+                rows = None
+            self._yielded = (id(out), rows)
+            yield out
             if is_last:
                 # The last batch is used: the hook runs before the user's next iter() draws
                 # the next epoch's seed (a save there would miss that draw on resume).
@@ -269,6 +279,20 @@ class AcceleratedDataLoader:
                     self._between_batches()
                 return
             batch = upcoming
+
+    def rows_of(self, batch: Any) -> int | None:
+        """The samples in ``batch`` if it is the batch this loader yielded last (what
+        ``acc.run_micro_batch`` reads a list of samples by), else None."""
+        batch_id, rows = self._yielded
+        return rows if batch_id == id(batch) else None
+
+    def _samples_this_epoch(self) -> int | None:
+        if self.loader.batch_size is None or isinstance(self._dataset, IterableDataset):
+            return None
+        try:
+            return len(self.loader.sampler)
+        except TypeError:  # a sampler without a length
+            return None
 
     def state_dict(self) -> dict[str, int]:
         """Where the next ``iter()`` continues: an epoch and the batches of it already used.
