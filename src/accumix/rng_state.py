@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,8 +58,8 @@ def generators_in(obj: Any, depth: int = 4) -> list[Any]:
     """The random generators an object holds as its own (``self.rng = np.random.default_rng()``
     in a dataset or one of its transforms): numpy's ``Generator`` and ``RandomState``, python's
     ``random.Random``, ``torch.Generator``; found in attributes, and in the lists, tuples and
-    dicts (up to 64 entries) they hold, ``depth`` levels down. Tensors and arrays are not
-    searched."""
+    dicts (up to 64 entries) they hold, ``depth`` levels down. Tensors, arrays and modules are
+    not searched."""
     found: dict[int, Any] = {}
     seen: set[int] = set()
 
@@ -68,15 +69,17 @@ def generators_in(obj: Any, depth: int = 4) -> list[Any]:
                 found[id(value)] = value
             return
         if level > depth or id(value) in seen or isinstance(
-                value, (torch.Tensor, np.ndarray, str, bytes, int, float, type)):
+                value, (torch.Tensor, np.ndarray, str, bytes, int, float, type, ModuleType)):
             return
         seen.add(id(value))
         if isinstance(value, dict):
-            children = list(value.values()) if len(value) <= 64 else []
+            children = list(value.values())
         elif isinstance(value, (list, tuple)):
-            children = list(value) if len(value) <= 64 else []
+            children = list(value)
         else:
             children = list(getattr(value, "__dict__", {}).values())
+        if level and len(children) > 64:  # a dataset's samples, not its parts
+            return
         for child in children:
             visit(child, level + 1)
 

@@ -2,7 +2,9 @@
 only (in its forward, mid-model; or in its backward): both ranks choose the largest divisor that
 rank 1 can run, nobody hangs, and the run equals the run given that size explicitly, bitwise
 (weights, BatchNorm buffers, dropout's RNG), under ddp, zero1, fsdp and DeepSpeed ZeRO 1/2 (and the
-engine's counters as the explicit run's); ZeRO-3 is refused in one line."""
+engine's counters as the explicit run's); ZeRO-3 is refused in one line. Also: ddp with a real
+memory limit per rank (rank 1's fits 4 rows' measured steady state, not 6), and two fsdp models
+with rank 1 out of memory inside the first (the probe stops there on every rank)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from accumix.micro_batch_cache import cache_key
 from accumix.micro_batch_probe import measure
 from accumix.testing import ResidualBlock
 from tests.distributed import micro_batch_jobs
+from tests.oom_injection import OOMAbove
 
 GLOBAL, LIMIT_ROWS = 24, 5  # per rank 12: candidates 1, 2, 3, 4, 6, 12; rank 1 runs <= 5 rows
 BELOW_BUCKET = 900_000_000  # bytes
@@ -71,10 +74,12 @@ def _strategy(name: str) -> Any:
     return ax.DeepSpeedStrategy(stage=int(name[-1])) if name.startswith("zero-") else name
 
 
-def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict[str, Any]]:
+def _train(strategy: str, micro: int | str, inject: str, limit: int | None = None
+           ) -> tuple[int, int, dict[str, Any]]:
     # ZeRO-2's limit is below its 1-2 GB reduction bucket (bf16 or fp32), far above what a CPU
     # run makes resident of it (the probe counted the whole bucket: not even 1 row fitted).
-    limit = BELOW_BUCKET if strategy == "zero-2" and micro == "auto" else None
+    if strategy == "zero-2" and micro == "auto":
+        limit = BELOW_BUCKET
     acc = ax.Accelerator(strategy=_strategy(strategy), global_batch_size=GLOBAL,
                          micro_batch_size=micro, seed=0, timeout=60, memory_limit=limit)
     net = Net(inject, checkpointed=strategy.startswith("zero-"))  # the probe once refused it
@@ -127,12 +132,61 @@ if importlib.util.find_spec("deepspeed") is not None:
     CASES |= {"zero-1": ("forward",), "zero-2": ("forward", "backward")}
 
 
+def _rank1_limit() -> int | None:
+    """Rank 0 may use 1 GiB; rank 1 a limit its measured steady state fits 4 rows in, not 6
+    (collective: both ranks measure)."""
+    acc = ax.Accelerator(strategy="ddp", global_batch_size=GLOBAL, micro_batch_size="auto",
+                         seed=0, timeout=60)
+    net = Net("")
+    model, _ = acc.setup(net, torch.optim.AdamW(net.parameters()))
+    step = lambda b: nn.functional.mse_loss(model(b[0]), b[1])  # noqa: E731
+    make = lambda n: (torch.randn(n, 6), torch.randn(n, 1))  # noqa: E731
+    peaks = [measure(acc, step, make, n).peak for n in (4, 6)]
+    acc.end()
+    return 2**30 if dist.get_rank() == 0 else int(sum(peaks) / 2 / 0.9)
+
+
+def _two_fsdp_models(micro: int | str) -> tuple[int, list[torch.Tensor]]:
+    """Two models under fsdp; rank 1 runs out of memory above 5 rows inside the first."""
+    acc = ax.Accelerator(strategy="fsdp", global_batch_size=GLOBAL, micro_batch_size=micro,
+                         seed=0, timeout=60)
+    torch.manual_seed(0)
+    first = nn.Sequential(ResidualBlock(6), ResidualBlock(6), OOMAbove())
+    first[-1].limit = LIMIT_ROWS if dist.get_rank() == 1 else None
+    second = nn.Sequential(ResidualBlock(6), ResidualBlock(6), nn.Linear(6, 1))
+    first, second, opt_a, opt_b = acc.setup(
+        first, second, torch.optim.AdamW(first.parameters()),
+        torch.optim.AdamW(second.parameters()))
+
+    def step(batch: Any) -> torch.Tensor:
+        return nn.functional.mse_loss(second(first(batch[0])), batch[1])
+
+    if micro == "auto":
+        acc.find_micro_batch_size(step, lambda n: (torch.randn(n, 6), torch.randn(n, 1)))
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g))
+    loader = acc.setup(DataLoader(data, batch_size=2 if micro == "auto" else micro))
+    for batch in loader:
+        with acc.accumulate():
+            acc.backward(step(batch))
+            for opt in (opt_a, opt_b):
+                opt.step()
+                opt.zero_grad()
+    state = [v.detach().clone() for m in (first, second)
+             for v in acc.strategy.full_state_dict(m).values()]
+    chosen = loader.batch_size
+    acc.end()
+    return chosen, state
+
+
 def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     out = {}
     for strategy, injections in cases.items():
         _, steps, explicit = _train(strategy, 4, "")
-        for inject in injections:
-            chosen, auto_steps, auto = _train(strategy, "auto", inject)
+        runs = {inject: _train(strategy, "auto", inject) for inject in injections}
+        if strategy == "ddp":  # real limits, one per rank, no injection
+            runs["limits"] = _train(strategy, "auto", "", limit=_rank1_limit())
+        for inject, (chosen, auto_steps, auto) in runs.items():
             out[f"{strategy}-{inject}"] = {
                 "chosen": chosen, "steps": (auto_steps, steps),
                 "unequal": [k for k in explicit if not torch.equal(auto[k], explicit[k])],
@@ -140,6 +194,9 @@ def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
             }
             if "bucket" in auto:
                 out["zero-2 bucket"] = auto["bucket"]
+    (chosen, auto), (_, explicit) = _two_fsdp_models("auto"), _two_fsdp_models(4)
+    out["two fsdp models"] = (chosen, all(torch.equal(a, b)
+                                          for a, b in zip(auto, explicit, strict=True)))
     if "zero-2" in cases:
         out["zero keys"] = [_key(stage, config) for stage, config in (
             (1, None), (2, None), (2, {"zero_optimization": {"reduce_bucket_size": 10**9}}))]
@@ -162,6 +219,9 @@ def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwis
             # whole mapped buffer, which never becomes resident (the probe counted 2e9 bytes).
             growth, written, bucket = result.pop("zero-2 bucket")
             assert written <= growth < written + 2**20 < bucket, (rank, growth, written, bucket)
+        # Two fsdp models, rank 1 out of memory inside the first: 4 chosen, the explicit run's
+        # weights (before: FSDP's raw AttributeError resetting the second model).
+        assert result.pop("two fsdp models") == (4, True), rank
         for case, facts in result.items():
             assert facts["chosen"] == 4, (rank, case, facts)  # largest divisor of 12 <= 5
             assert facts["steps"] == (4, 4), (rank, case, facts)  # 48 rows / (4 x K=3)
