@@ -74,12 +74,10 @@ def _strategy(name: str) -> Any:
     return ax.DeepSpeedStrategy(stage=int(name[-1])) if name.startswith("zero-") else name
 
 
-def _train(strategy: str, micro: int | str, inject: str, limit: int | None = None
-           ) -> tuple[int, int, dict[str, Any]]:
+def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict[str, Any]]:
     # ZeRO-2's limit is below its 1-2 GB reduction bucket (bf16 or fp32), far above what a CPU
     # run makes resident of it (the probe counted the whole bucket: not even 1 row fitted).
-    if strategy == "zero-2" and micro == "auto":
-        limit = BELOW_BUCKET
+    limit = BELOW_BUCKET if strategy == "zero-2" and micro == "auto" else None
     acc = ax.Accelerator(strategy=_strategy(strategy), global_batch_size=GLOBAL,
                          micro_batch_size=micro, seed=0, timeout=60, memory_limit=limit)
     net = Net(inject, checkpointed=strategy.startswith("zero-"))  # the probe once refused it
@@ -132,27 +130,61 @@ if importlib.util.find_spec("deepspeed") is not None:
     CASES |= {"zero-1": ("forward",), "zero-2": ("forward", "backward")}
 
 
-def _rank1_limit() -> int | None:
-    """Rank 0 may use 1 GiB; rank 1 a limit its measured steady state fits 4 rows in, not 6
-    (collective: both ranks measure)."""
-    acc = ax.Accelerator(strategy="ddp", global_batch_size=GLOBAL, micro_batch_size="auto",
-                         seed=0, timeout=60)
-    net = Net("")
-    model, _ = acc.setup(net, torch.optim.AdamW(net.parameters()))
-    step = lambda b: nn.functional.mse_loss(model(b[0]), b[1])  # noqa: E731
+class Wide(nn.Module):
+    """16 x 1024 floats of activations a row (64 KB): the rows, not what else the process
+    holds, decide the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 16)
+        self.scale = nn.Parameter(torch.randn(1024))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((torch.tanh(self.inp(x)).unsqueeze(-1) * self.scale).square().mean(-1))
+
+
+def _per_rank_limits(micro: int | str, rank1_limit: int | None = None
+                     ) -> tuple[int, list[torch.Tensor] | int]:
+    """ddp with a real memory limit per rank: 1 GiB on rank 0, ``rank1_limit`` on rank 1.
+    Without a limit, measures the limit that fits 4 rows' steady state on rank 1, not 6."""
+    limit = None if rank1_limit is None else 2**30 if dist.get_rank() == 0 else rank1_limit
+    acc = ax.Accelerator(strategy="ddp", global_batch_size=GLOBAL, micro_batch_size=micro,
+                         seed=0, timeout=60, memory_limit=limit)
+    net = Wide()
+    model, opt = acc.setup(net, torch.optim.AdamW(net.parameters()))
+
+    def step(batch: Any) -> torch.Tensor:
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+
     make = lambda n: (torch.randn(n, 6), torch.randn(n, 1))  # noqa: E731
-    peaks = [measure(acc, step, make, n).peak for n in (4, 6)]
+    if micro == "auto" and rank1_limit is None:
+        peaks = [measure(acc, step, make, n).peak for n in (4, 6)]
+        acc.end()
+        return 0, int(sum(peaks) / 2 / 0.9)
+    if micro == "auto":
+        acc.find_micro_batch_size(step, make)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g))
+    loader = acc.setup(DataLoader(data, batch_size=2 if micro == "auto" else micro))
+    for batch in loader:
+        with acc.accumulate():
+            acc.backward(step(batch))
+            opt.step()
+            opt.zero_grad()
+    chosen = loader.batch_size
     acc.end()
-    return 2**30 if dist.get_rank() == 0 else int(sum(peaks) / 2 / 0.9)
+    return chosen, [p.detach().clone() for p in net.parameters()]
 
 
-def _two_fsdp_models(micro: int | str) -> tuple[int, list[torch.Tensor]]:
-    """Two models under fsdp; rank 1 runs out of memory above 5 rows inside the first."""
+def _two_fsdp_models(micro: int | str, rows: int = LIMIT_ROWS) -> tuple[int, list[torch.Tensor]]:
+    """Two models under fsdp; rank 1 runs out of memory above ``rows`` rows inside the first."""
     acc = ax.Accelerator(strategy="fsdp", global_batch_size=GLOBAL, micro_batch_size=micro,
                          seed=0, timeout=60)
     torch.manual_seed(0)
     first = nn.Sequential(ResidualBlock(6), ResidualBlock(6), OOMAbove())
-    first[-1].limit = LIMIT_ROWS if dist.get_rank() == 1 else None
+    first[-1].limit = rows if dist.get_rank() == 1 else None
     second = nn.Sequential(ResidualBlock(6), ResidualBlock(6), nn.Linear(6, 1))
     first, second, opt_a, opt_b = acc.setup(
         first, second, torch.optim.AdamW(first.parameters()),
@@ -183,10 +215,8 @@ def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     out = {}
     for strategy, injections in cases.items():
         _, steps, explicit = _train(strategy, 4, "")
-        runs = {inject: _train(strategy, "auto", inject) for inject in injections}
-        if strategy == "ddp":  # real limits, one per rank, no injection
-            runs["limits"] = _train(strategy, "auto", "", limit=_rank1_limit())
-        for inject, (chosen, auto_steps, auto) in runs.items():
+        for inject in injections:
+            chosen, auto_steps, auto = _train(strategy, "auto", inject)
             out[f"{strategy}-{inject}"] = {
                 "chosen": chosen, "steps": (auto_steps, steps),
                 "unequal": [k for k in explicit if not torch.equal(auto[k], explicit[k])],
@@ -194,9 +224,15 @@ def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
             }
             if "bucket" in auto:
                 out["zero-2 bucket"] = auto["bucket"]
-    (chosen, auto), (_, explicit) = _two_fsdp_models("auto"), _two_fsdp_models(4)
-    out["two fsdp models"] = (chosen, all(torch.equal(a, b)
-                                          for a, b in zip(auto, explicit, strict=True)))
+    rank1_limit = _per_rank_limits("auto")[1]
+    for name, (chosen, auto), (_, explicit) in (
+            ("two fsdp models", _two_fsdp_models("auto"), _two_fsdp_models(4)),
+            ("limits per rank", _per_rank_limits("auto", rank1_limit), _per_rank_limits(4))):
+        out[name] = (chosen, all(torch.equal(a, b) for a, b in zip(auto, explicit, strict=True)))
+    try:  # the first probe stops inside the first model: the second one never ran
+        _two_fsdp_models("auto", rows=0)
+    except ConfigError as exc:
+        out["two fsdp models, nothing fits"] = str(exc)
     if "zero-2" in cases:
         out["zero keys"] = [_key(stage, config) for stage, config in (
             (1, None), (2, None), (2, {"zero_optimization": {"reduce_bucket_size": 10**9}}))]
@@ -219,9 +255,15 @@ def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwis
             # whole mapped buffer, which never becomes resident (the probe counted 2e9 bytes).
             growth, written, bucket = result.pop("zero-2 bucket")
             assert written <= growth < written + 2**20 < bucket, (rank, growth, written, bucket)
-        # Two fsdp models, rank 1 out of memory inside the first: 4 chosen, the explicit run's
-        # weights (before: FSDP's raw AttributeError resetting the second model).
+        # Two fsdp models, rank 1 out of memory above 5 rows inside the first: 4 chosen, the
+        # explicit run's weights.
         assert result.pop("two fsdp models") == (4, True), rank
+        # Not a row fits on rank 1: the one line on both ranks (before: FSDP's AttributeError,
+        # resetting the second model, whose forward never ran).
+        assert result.pop("two fsdp models, nothing fits").startswith(
+            "micro_batch_size='auto': not even a micro-batch of 1 fits"), rank
+        # ddp, rank 1's limit fits the steady state of 4 rows, not 6: both choose 4, bitwise.
+        assert result.pop("limits per rank") == (4, True), rank
         for case, facts in result.items():
             assert facts["chosen"] == 4, (rank, case, facts)  # largest divisor of 12 <= 5
             assert facts["steps"] == (4, 4), (rank, case, facts)  # 48 rows / (4 x K=3)
