@@ -16,6 +16,7 @@ from accumix.errors import (
     CompileError,
     ConfigError,
     LossScaleError,
+    Preempted,
 )
 from accumix.precision.loss_scale import DynamicLossScale, NoLossScale
 
@@ -32,6 +33,7 @@ _LAZY = {
     "Strategy": "accumix.strategies",
     "DeepSpeedStrategy": "accumix.strategies.deepspeed",  # imports deepspeed only when built
     "FSDPStrategy": "accumix.strategies.fsdp",
+    "HSDPStrategy": "accumix.strategies.hsdp",
     "ZeRO1Strategy": "accumix.strategies.zero1",
 }
 # The Trainer layer (tqdm, loggers): imported on first use too.
@@ -60,8 +62,10 @@ __all__ = [
     "DeepSpeedStrategy",
     "DynamicLossScale",
     "FSDPStrategy",
+    "HSDPStrategy",
     "LossScaleError",
     "NoLossScale",
+    "Preempted",
     "Policy",
     "SingleDeviceStrategy",
     "Strategy",

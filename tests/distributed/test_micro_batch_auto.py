@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.micro_batch_cache import cache_key
-from accumix.micro_batch_probe import measure
+from accumix.memory.micro_batch_cache import cache_key
+from accumix.memory.micro_batch_probe import measure
 from accumix.testing import ResidualBlock
 from tests.distributed import micro_batch_jobs
 from tests.oom_injection import OOMAbove
@@ -93,7 +93,7 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
         if strategy == "zero-2" and inject == "forward":  # the probe counts ZeRO's buckets
             itemsize = next(acc.unwrap(model).parameters()).element_size()
             trainable = sum(p.numel() for p in acc.unwrap(model).parameters())
-            bucket = (measure(acc, step, make, 2).growth, trainable * itemsize,
+            bucket = (measure(acc._run, step, make, 2).growth, trainable * itemsize,
                       model.optimizer.reduce_bucket_size * itemsize)
     loader = acc.setup(DataLoader(data, batch_size=2 if micro == "auto" else micro, shuffle=True))
     for x, y in loader:
@@ -120,7 +120,7 @@ def _key(stage: int, config: dict[str, Any] | None) -> str:
                          global_batch_size=GLOBAL, micro_batch_size="auto", seed=0, timeout=60)
     net = Net("")
     acc.setup(net, torch.optim.AdamW(net.parameters()))
-    key = cache_key(acc, (torch.randn(1, 6), torch.randn(1, 1)), GLOBAL, 0.1)
+    key = cache_key(acc._run, (torch.randn(1, 6), torch.randn(1, 1)), GLOBAL, 0.1)
     acc.end()
     return key
 
@@ -160,7 +160,7 @@ def _per_rank_limits(micro: int | str, rank1_limit: int | None = None
 
     make = lambda n: (torch.randn(n, 6), torch.randn(n, 1))  # noqa: E731
     if micro == "auto" and rank1_limit is None:
-        peaks = [measure(acc, step, make, n).peak for n in (4, 6)]
+        peaks = [measure(acc._run, step, make, n).peak for n in (4, 6)]
         acc.end()
         return 0, int(sum(peaks) / 2 / 0.9)
     if micro == "auto":

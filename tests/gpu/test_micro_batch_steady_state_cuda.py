@@ -11,9 +11,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
-from accumix.micro_batch_probe import measure
-from accumix.micro_batch_search import candidates
-from accumix.peak_memory import PeakMeter
+from accumix.common.micro_batch_search import candidates
+from accumix.memory.micro_batch_probe import measure
+from accumix.memory.peak_memory import PeakMeter
 from tests.unit.test_micro_batch_steady_state import GLOBAL, MB, Dense
 
 pytestmark = [
@@ -38,7 +38,7 @@ def test_the_chosen_size_trains_under_the_limit_at_the_probed_peak_on_cuda(
     chosen = acc.find_micro_batch_size(model, make)
     sizes = candidates(GLOBAL, 1)
     if chosen != sizes[-1]:  # the next size up does not fit (the largest, K=1, tried alone)
-        meter = measure(acc, model, make, sizes[sizes.index(chosen) + 1])
+        meter = measure(acc._run, model, make, sizes[sizes.index(chosen) + 1])
         assert meter is None or meter.peak > 0.9 * limit_mb * MB
     loader = acc.setup(DataLoader(data, batch_size=2))
     meter = PeakMeter(acc.device)

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import accumix as ax
-from accumix.micro_batch_cache import CACHE_FILE
-from accumix.micro_batch_probe import batch_maker
+from accumix.memory.micro_batch_cache import CACHE_FILE
+from accumix.memory.micro_batch_probe import batch_maker
 from tests.hf_standins import TinyCausalLM, padded_batch
 from tests.oom_injection import OOMAbove
 

@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
-from accumix.micro_batch_probe import measure
-from accumix.peak_memory import PeakMeter
+from accumix.memory.micro_batch_probe import measure
+from accumix.memory.peak_memory import PeakMeter
 
 GLOBAL, MB = 24, 10**6  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
 
@@ -82,7 +82,7 @@ def test_the_next_size_up_does_not_fit() -> None:
     net = Dense(256)
     model, _ = acc.setup(net, torch.optim.AdamW(net.parameters()))
     for size, limit_mb in ((12, 200), (6, 150)):
-        meter = measure(acc, model, lambda n: torch.randn(n, 64), size)
+        meter = measure(acc._run, model, lambda n: torch.randn(n, 64), size)
         assert meter is not None and meter.peak > 0.9 * limit_mb * MB, (size, meter.peak)
 
 

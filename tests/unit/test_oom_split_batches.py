@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.oom_split import batch_rows, slice_batch
+from accumix.memory.oom_split import batch_rows, slice_batch
 from tests import workloads as w
 from tests.hf_standins import BatchEncoding, TinyCausalLM, padded_batch
 from tests.oom_injection import LogLines, OOMAbove

@@ -58,9 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from accumix.accumulation import derive_grad_accum_steps
-    from accumix.env import detect_launch_env
     from accumix.recipes import default
+    from accumix.runtime.env import detect_launch_env
+    from accumix.step.accumulation import derive_grad_accum_steps
     from accumix.trainer.config import to_dict
 
     config = load_train_config(args.items)
@@ -74,8 +74,17 @@ def run_train(args: argparse.Namespace) -> int:
 
         run = default_jax.run
     if detect_launch_env().launcher != "none":  # a launcher started us: we are one rank
+        from accumix.runtime.fault import die_with_launcher
+
+        die_with_launcher()  # the JAX backend's ranks too (the torch Accelerator starts it)
         return run(config)
     plan = plan_launch(nproc=config.nproc)
+    if config.strategy == "hsdp":  # a degenerate mesh is one line here, not one per rank
+        from accumix.common.launch_env import LaunchEnv
+        from accumix.strategies.node_groups import mesh_shape
+
+        mesh_shape(None, LaunchEnv(world_size=plan.nproc * plan.nnodes,
+                                   local_world_size=plan.nproc, num_nodes=plan.nnodes))
     # Checked here so a batch that does not divide is one line, not a failure on every rank.
     micro = config.micro_batch_size
     derive_grad_accum_steps(grad_accum_steps=None, global_batch_size=config.global_batch_size,
@@ -83,4 +92,27 @@ def run_train(args: argparse.Namespace) -> int:
                             dp_world_size=plan.nproc)
     if plan.nproc == 1:
         return run(config)
+    check_outputs(config)
     return run_torchrun(plan, "accumix.cli.main", ["train", *args.items], module=True)
+
+
+def check_outputs(config: object) -> None:
+    """Before any rank starts: the run directory is not in use by a live job, and every
+    logger can start there (library installed, tracking location usable), so that such an
+    error is one line and exit 2, not one failure per rank.
+
+    Raises:
+        ConfigError: the first problem found.
+    """
+    from accumix.recipes.tracking import tracking_options
+    from accumix.trainer.loggers import resolve_loggers
+    from accumix.trainer.run_lock import check_run_dir_free
+    from accumix.trainer.trackers.base import TrackerLogger
+
+    run_dir = config.run_dir  # type: ignore[attr-defined]
+    check_run_dir_free(run_dir)
+    options = tracking_options(config)  # type: ignore[arg-type]
+    for logger in resolve_loggers(options["loggers"], log_model=options["log_model"],
+                                  run_name=options["run_name"]):
+        if isinstance(logger, TrackerLogger):
+            logger.check(run_dir)

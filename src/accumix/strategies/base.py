@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.accumulation import rescale_grads_
-from accumix.compile import Compiler
-from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
 from accumix.precision import LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.runtime.env import LaunchEnv
+from accumix.step.accumulation import rescale_grads_
+from accumix.step.compile import Compiler
 from accumix.strategies.norm_layers import broadcast_buffers_
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -185,6 +185,17 @@ class Strategy:
         works instead.
         """
 
+    def backward_reduced(self, model: nn.Module | None) -> bool:
+        """Whether the last backward that reached ``model`` with its gradient sync on left its
+        gradients reduced over the ranks. Read after each backward on the optimizers it reached;
+        False makes the boundary reduce the model once (``reduce_deferred_grads``) before
+        anything reads its gradients. Backends that reduce in every synced backward (or never
+        reduce) answer True; DDP's reducer reduces once per forward, so a second backward
+        through one forward's graph is left local (two forwards of a GAN's discriminator, then
+        two backward calls).
+        """
+        return True
+
     def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
         return [p.grad for p in params if p.grad is not None]
@@ -242,7 +253,9 @@ class Strategy:
         the backend shards, so it reshards on load). Backends whose state it cannot read
         (ZeroRedundancyOptimizer, DeepSpeed's engine) override both checkpoint methods.
         """
-        from accumix.dcp_state import save_sharded  # DCP's import costs ~1 s: only when used
+        from accumix.checkpoint.dcp_state import (
+            save_sharded,  # DCP's import costs ~1 s: only when used
+        )
 
         if self._distributed:
             # DCP writes a replicated buffer from whichever rank its de-duplication picks;
@@ -258,7 +271,7 @@ class Strategy:
         """Reads what ``save_checkpoint`` wrote into the set-up models and optimizers, in place
         (collective); the world size may differ from the saving run's. ``strict``: the models'
         keys must be the checkpoint's (False: load the keys both have)."""
-        from accumix.dcp_state import load_sharded
+        from accumix.checkpoint.dcp_state import load_sharded
 
         load_sharded(directory, models, optimizers, strict=strict)
 

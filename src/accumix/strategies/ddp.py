@@ -12,9 +12,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from accumix.compile import Compiler
 from accumix.errors import ConfigError
+from accumix.step.compile import Compiler
 from accumix.strategies.base import Strategy
+from accumix.strategies.ddp_reducer_turns import ReducerTurns
 
 
 class DDPStrategy(Strategy):
@@ -55,6 +56,7 @@ class DDPStrategy(Strategy):
         }
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        self._turns = ReducerTurns()  # which backward calls DDP's reducer reduced
 
     def probe_settings(self) -> dict[str, Any]:
         return {**self.ddp_kwargs, "sync_batchnorm": self.sync_batchnorm}
@@ -72,6 +74,7 @@ class DDPStrategy(Strategy):
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+            self._turns.watch(model)
         return model, optimizers
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -90,12 +93,21 @@ class DDPStrategy(Strategy):
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
+        self._turns.backward(loss)
+
+    def backward_reduced(self, model: nn.Module | None) -> bool:
+        """False after a second backward through one synced forward of ``model`` (DDP's
+        reducer reduces once per forward; ``ddp_reducer_turns``)."""
+        return self._turns.reduced(model)
+
     def reduce_deferred_grads(self, model: nn.Module) -> None:
         """What DDP's synced backward would have done, once: every gradient of the model
         averaged over the ranks, in one flat all-reduce per gradient dtype."""
         if isinstance(model, DistributedDataParallel):
             average_grads_(
                 [p for p in model.parameters() if p.requires_grad], self.world_size)
+            self._turns.mark_reduced(model)
 
 
 def average_grads_(params: list[nn.Parameter], world_size: int) -> None:
