@@ -302,9 +302,10 @@ def run_micro_batch(run: RunState, step_fn: StepFn, batch: Any) -> Any:
                 for buffer, value in zip(norms, kept, strict=True):
                     buffer.copy_(value)
             failed_rank = worst
-            if cannot:
+            if cannot:  # the rank whose batch has no rows says why; the others point to it
+                why = unsplittable or "cannot split another rank's batch into rows (its log)"
                 raise ConfigError(f"out of memory on rank {worst}, and acc.run_micro_batch "
-                                  f"{unsplittable}")
+                                  f"{why}")
             if single_row:
                 raise torch.OutOfMemoryError(
                     f"out of memory on rank {worst} with a piece of one row (accumix's safety "
