@@ -81,7 +81,7 @@ def _temperature_run(micro: int | str) -> list[torch.Tensor]:
     acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size=micro, seed=0)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-    temperature = nn.Parameter(torch.tensor(1.0))
+    temperature = torch.tensor(1.0, requires_grad=True)  # a plain leaf tensor, no Parameter
     model, opt = acc.setup(net, torch.optim.SGD([*net.parameters(), temperature], lr=0.1))
 
     def step(batch: Any) -> torch.Tensor:

@@ -52,11 +52,12 @@ def cache_key(run: RunState, sample: Any, global_batch: int, headroom: float) ->
 
 
 def outside_parameters(run: RunState) -> list[torch.Tensor]:
-    """Parameters an optimizer steps that no set-up model holds (a learnable loss temperature):
-    the probe keeps them as it keeps the models' (``micro_batch_probe``)."""
+    """Tensors an optimizer steps that no set-up model holds (a learnable loss temperature, an
+    ``nn.Parameter`` or a plain leaf tensor with ``requires_grad``): the probe keeps them as it
+    keeps the models' (``micro_batch_probe``)."""
     inside = {id(p) for model in run.models for p in model.parameters()}
     found = {id(p): p for wrapped in run.optimizers for group in wrapped.optimizer.param_groups
-             for p in group["params"] if isinstance(p, nn.Parameter) and id(p) not in inside}
+             for p in group["params"] if isinstance(p, torch.Tensor) and id(p) not in inside}
     return list(found.values())
 
 
