@@ -59,6 +59,7 @@ class DDPStrategy(Strategy):
         }
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        self._wrapped: set[int] = set()  # ids of the parameters inside a DDP-wrapped model
 
     def probe_settings(self) -> dict[str, Any]:
         return {**self.ddp_kwargs, "sync_batchnorm": self.sync_batchnorm}
@@ -76,6 +77,7 @@ class DDPStrategy(Strategy):
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+            self._wrapped.update(id(p) for p in model.parameters())
             if self._wire_dtype(model) is not None:
                 register_reduce_dtype_hook(model, self._wire_dtype(model), self.world_size)
         return model, optimizers
@@ -103,6 +105,18 @@ class DDPStrategy(Strategy):
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
+
+    def finalize_gradients(self, params: list[nn.Parameter], factor: float | torch.Tensor
+                           ) -> torch.Tensor | None:
+        """Also averages the gradients of the optimizer's parameters that no DDP model holds
+        (a loss weight or temperature kept outside the model): DDP never reduces them, and each
+        rank would step its own."""
+        if self._wrapped:
+            assert self.policy is not None
+            outside = [p for p in params if p.requires_grad and id(p) not in self._wrapped]
+            if outside:
+                average_grads_(outside, self.world_size, self.policy.reduce_dtype)
+        return super().finalize_gradients(params, factor)
 
     def reduce_deferred_grads(self, model: nn.Module) -> None:
         """What DDP's synced backward would have done, once: every gradient of the model
