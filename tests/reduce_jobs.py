@@ -71,7 +71,7 @@ def reference(model: nn.Module, *, windows: int, accum: int, wire: torch.dtype,
     extra = [nn.Parameter(p.detach().clone()) for p in extra]
     params = [*model.parameters(), *extra]
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-    def reduced(micro_steps: range) -> list[torch.Tensor]:
+    def reduced(window: int, micro_steps: range) -> list[torch.Tensor]:
         per_rank = []
         for rank in range(WORLD):
             for p in params:
@@ -86,10 +86,10 @@ def reference(model: nn.Module, *, windows: int, accum: int, wire: torch.dtype,
 
     for window in range(windows):
         if every_micro_step:
-            parts = [reduced(range(micro, micro + 1)) for micro in range(accum)]
+            parts = [reduced(window, range(micro, micro + 1)) for micro in range(accum)]
             grads = [sum(each[1:], each[0]) for each in zip(*parts, strict=True)]
         else:
-            grads = reduced(range(accum))
+            grads = reduced(window, range(accum))
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
         opt.step()

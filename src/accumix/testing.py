@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -148,26 +148,31 @@ class CollectiveLog:
     two nodes: ``where=lambda ranks: len({r // 2 for r in ranks}) > 1``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, also: Sequence[tuple[Any, str, str]] = ()) -> None:
+        """Args:
+            also: ``(holder, attribute, collective)`` for functions a library bound before the
+                log started (DeepSpeed's comm backend binds ``reduce_scatter_tensor`` when it
+                initialises): ``holder.attribute`` is recorded as ``collective`` too.
+        """
         self.calls: list[Collective] = []
-        self._saved: dict[str, Any] = {}
+        self.also = list(also)
+        self._saved: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> CollectiveLog:
         import torch.distributed as dist
 
-        for name, where in _PAYLOAD.items():
-            original = getattr(dist, name, None)
+        targets = [(dist, name, name) for name in _PAYLOAD] + self.also
+        for holder, attribute, name in targets:
+            original = getattr(holder, attribute, None)
             if original is None:
                 continue
-            self._saved[name] = original
-            setattr(dist, name, self._wrap(name, where, original))
+            self._saved.append((holder, attribute, original))
+            setattr(holder, attribute, self._wrap(name, _PAYLOAD[name], original))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
-
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
+        for holder, attribute, original in reversed(self._saved):
+            setattr(holder, attribute, original)
         self._saved.clear()
 
     def _wrap(self, name: str, where: tuple[int, str], original: Callable[..., Any]

@@ -2,7 +2,8 @@
 torch strategy's run under its default reduction, trained by the code before ``reduce_dtype``
 (bbd32c7), public API only, so the same script runs on both.
 
-    PYTHONPATH=<old checkout>/src:. python tests/golden/pre_reduce33/make.py tests/golden/pre_reduce33
+    PYTHONPATH=<old checkout>/src:. python tests/golden/pre_reduce33/make.py \
+        tests/golden/pre_reduce33
 
 Every case trains 3 optimizer steps (K=2, SGD with momentum, 2 ranks on gloo, each rank its own
 batches) and keeps rank 0's full state dict.
