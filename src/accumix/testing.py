@@ -243,7 +243,8 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
                                        tokens[:, 1:].reshape(-1))
 
 
-def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
+def flat_weights(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A state dict's tensors as one float64 vector, in order."""
     return torch.cat([v.detach().double().reshape(-1).cpu() for v in state.values()])
 
 
@@ -253,13 +254,13 @@ def reference_weights(batches: torch.Tensor, *, lr: float, momentum: float, seed
     initial and the final weights, flat."""
     torch.manual_seed(seed)
     model = TinyTransformer().to(dtype)
-    first = _flat(model.state_dict())
+    first = flat_weights(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for batch in batches:
         opt.zero_grad()
         next_token_loss(model, batch).backward()
         opt.step()
-    return first, _flat(model.state_dict())
+    return first, flat_weights(model.state_dict())
 
 
 def relative_errors(got: torch.Tensor, first: torch.Tensor, exact: torch.Tensor
@@ -312,6 +313,6 @@ def reduction_error_job(strategy: Any, *, reduce_dtype: str | None, precision: s
     state = acc.strategy.full_state_dict(model)
     if acc.rank == 0:
         first, exact = reference_weights(batches, lr=lr, momentum=momentum, seed=seed)
-        out.update(relative_errors(_flat(state), first, exact), steps=acc.optimizer_steps)
+        out.update(relative_errors(flat_weights(state), first, exact), steps=acc.optimizer_steps)
     acc.end()
     return out

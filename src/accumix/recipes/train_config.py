@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Literal
 
 from accumix.errors import ConfigError
-from accumix.precision.policy import PRECISION_WORDS
+from accumix.precision.reduce_dtype import parse_reduce_dtype
+from accumix.precision.words import PRECISION_WORDS
 from accumix.recipes.gpt import GPTConfig
 from accumix.strategies.registry import STRATEGY_WORDS
 
@@ -102,6 +103,9 @@ class TrainConfig:
         seed: seeds every rank identically (model init, shuffling).
         strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``deepspeed``.
         precision: ``auto``, ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``.
+        reduce_dtype: what gradients travel in between ranks: ``fp32``, ``bf16``, ``fp16``
+            (``fp16-mixed`` only); null: the precision's (float32; bf16 under ``bf16-true``).
+            Torch backend only for now.
         compile: ``torch.compile`` the model (inductor) after the strategy wrapped it
             (``Accelerator(compile=True)``); the JAX backend always jits and ignores it.
         global_batch_size: documents per optimizer step over all ranks (fixed whatever nproc).
@@ -135,6 +139,7 @@ class TrainConfig:
     seed: int = 0
     strategy: str = "auto"
     precision: str = "auto"
+    reduce_dtype: str | None = None
     compile: bool = False
     global_batch_size: int = 32
     micro_batch_size: int | Literal["auto"] = 8
@@ -172,6 +177,11 @@ class TrainConfig:
         if self.precision not in PRECISION_WORDS:
             raise ConfigError(f"precision={self.precision!r} is invalid; use one of "
                               f"{', '.join(PRECISION_WORDS)}")
+        if self.reduce_dtype is not None:
+            parse_reduce_dtype(self.reduce_dtype)
+            if self.backend == "jax":
+                raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is not available on "
+                                  "backend=jax yet; leave reduce_dtype=null there")
         for name in ("nproc", "global_batch_size", "micro_batch_size", "max_steps",
                      "max_epochs", "eval_every", "checkpoint_every", "system_metrics_every"):
             value = getattr(self, name)
