@@ -17,8 +17,9 @@ fixed (16 sequences per rank) and split into K micro-batches per rank. Each row 
 fp16 on the wire needs ``fp16-mixed`` (accumix refuses it elsewhere), so the fp16 row has a
 ``fp16-mixed`` float32-wire row beside it: their difference is the wire's. The ``accelerate``
 row is the same job under Accelerate's documented way, ``Accelerator(gradient_accumulation_
-steps=K, kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16)])``
-(torch's ``bf16_compress_hook``: casts, then divides in bf16).
+steps=K)`` with ``DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16)``: torch's
+``bf16_compress_hook`` (casts, then divides in bf16), registered through a wrapper because DDP
+refuses that hook by name off NCCL.
 
 The projection: a ring all-reduce moves 2(W-1)/W of the payload per rank; at a link's bandwidth,
 without overlap with compute (the upper bound of what halving saves), the seconds per optimizer
@@ -89,17 +90,19 @@ def _accelerate(grad_accum_steps: int, *, steps: int = 10, per_rank: int = 16, l
                 momentum: float = 0.9, seed: int = 0) -> dict[str, Any]:
     """The same job under Accelerate with its BF16 DDP communication hook."""
     from accelerate import Accelerator
-    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum_steps,
-                              kwargs_handlers=[DistributedDataParallelKwargs(
-                                  comm_hook=DDPCommunicationHookType.BF16)])
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum_steps)
     world, rank = accelerator.num_processes, accelerator.process_index
     batches = token_batches(steps, per_rank * world, seed=seed)
     torch.manual_seed(seed)
     model = TinyTransformer()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     model, opt = accelerator.prepare(model, opt)
+    # DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16) registers torch's
+    # bf16_compress_hook, which DDP refuses by name off NCCL ("required CUDA 11+ and NCCL
+    # 2.10+"); gloo all-reduces bf16 (checked), so the same function runs through a wrapper.
+    model.register_comm_hook(None, lambda state, bucket: bf16_compress_hook(state, bucket))
     micro, log = per_rank // grad_accum_steps, CollectiveLog()
     for batch in batches:
         for part in batch[rank * per_rank:(rank + 1) * per_rank].split(micro):
