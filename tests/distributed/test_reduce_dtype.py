@@ -16,7 +16,6 @@ Every check runs in the 2-rank spawn the distributed tests share (``shared_spawn
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -69,14 +68,6 @@ def _visible_ddp(model: nn.Module) -> None:
         model.register_comm_hook(None, allreduce_hook)
 
 
-def _visible_zero3(log: CollectiveLog, _: nn.Module) -> None:
-    # ZeRO-3's reduce-scatter goes through torch's reduce_scatter_tensor that DeepSpeed's comm
-    # backend bound when it initialised (in setup): recorded where it is bound.
-    from deepspeed import comm
-
-    log.also.append((comm.comm.cdb, "reduce_scatter_function", "reduce_scatter_tensor"))
-
-
 def _bytes() -> dict[str, Any]:
     out = {}
     for word in BYTES_STRATEGIES:
@@ -85,8 +76,6 @@ def _bytes() -> dict[str, Any]:
         for reduce_dtype in (None, "bf16"):
             log = CollectiveLog()
             hook = _visible_ddp if reduce_dtype is None else None
-            if word == "deepspeed3":
-                hook = functools.partial(_visible_zero3, log)
             acc, _, _ = rj.run(_strategy(word), windows=WINDOWS, accum=ACCUM,
                                reduce_dtype=reduce_dtype, log=log, hook=hook)
             nbytes, dtypes = rj.gradient_bytes(log)

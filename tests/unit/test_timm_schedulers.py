@@ -86,7 +86,7 @@ def test_timm_scheduler_steps_with_real_updates_and_resumes(tmp_path: Path) -> N
     acc.end()
     resumed, model2, acc2 = _run(tmp_path, resume=True)
     assert resumed.updates == full.updates and resumed.epochs == [1]
-    assert acc2._optimizers[0].param_groups[0]["lr"] == lr_full
+    assert acc2._run.optimizers[0].param_groups[0]["lr"] == lr_full
     assert torch.equal(acc2.unwrap(model2).weight, acc.unwrap(model).weight)
     acc2.end()
 

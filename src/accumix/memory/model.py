@@ -32,12 +32,16 @@ from accumix.memory.table import format_table as format_table
 # K optimizer states (Adam 2, SGD+momentum 1, SGD 0), G parameters held gathered at once under
 # full sharding (largest repeated block + the parameters outside the blocks, which FSDP2's root
 # unit keeps gathered from forward to backward). Shards round up to whole elements (padding).
+# hsdp (several nodes) is fsdp over the S ranks of a node (replicated across the nodes): its
+# rows are fsdp's with S for W.
 #
 #   strategy       params          grads    optimizer        ZeRO stage
 #   ddp            p*N             g*T      (m + K*s)*T      -
 #   zero1          p*N             g*T      (m + K*s)*T/W    1
 #   fsdp-grad_op   p*N/W + c*N     g*T/W    (m + K*s)*T/W    2 (params stay gathered fwd->bwd)
 #   fsdp-full      p*N/W + c*G     g*T/W    (m + K*s)*T/W    3
+#   hsdp-grad_op   p*N/S + c*N     g*T/S    (m + K*s)*T/S    2 within a node
+#   hsdp-full      p*N/S + c*G     g*T/S    (m + K*s)*T/S    3 within a node
 #   deepspeed-1    p*N             g*T      (m + K*s)*T/W    1
 #   deepspeed-2    p*N             g*T/W    (m + K*s)*T/W    2
 #   deepspeed-3    p*N/W + c*G     g*T/W    (m + K*s)*T/W    3
@@ -74,6 +78,7 @@ class _Sharding(NamedTuple):
     params: bool
     gathered: str  # "none", "all" (N, kept from forward to backward) or "block" (G at a time)
     deepspeed: bool
+    within_node: bool = False  # sharded over the ranks of a node (hsdp), not over all ranks
 
 
 _SHARDING: dict[str, _Sharding] = {
@@ -82,6 +87,8 @@ _SHARDING: dict[str, _Sharding] = {
     "zero1": _Sharding(True, False, False, "none", False),
     "fsdp-grad_op": _Sharding(True, True, True, "all", False),
     "fsdp-full": _Sharding(True, True, True, "block", False),
+    "hsdp-grad_op": _Sharding(True, True, True, "all", False, within_node=True),
+    "hsdp-full": _Sharding(True, True, True, "block", False, within_node=True),
     "deepspeed-1": _Sharding(True, False, False, "none", True),
     "deepspeed-2": _Sharding(True, True, False, "none", True),
     "deepspeed-3": _Sharding(True, True, True, "block", True),
@@ -97,11 +104,24 @@ _BYTES: dict[tuple[bool, str], _Bytes] = {
     (True, "fp16-mixed"): _Bytes(2, 2, 2, 4, 4),
     (True, "bf16-true"): _Bytes(2, 2, 2, 4, 4),
 }
-STRATEGIES: tuple[str, ...] = tuple(_SHARDING)
+# The rows of one node's world; hsdp's come only with several nodes (``ranks_per_node``).
+HSDP_ROWS: tuple[str, ...] = ("hsdp-grad_op", "hsdp-full")
+STRATEGIES: tuple[str, ...] = tuple(name for name in _SHARDING if name not in HSDP_ROWS)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 # The order "auto" tries, least communication first: (estimate, strategy word, FSDP sharding).
 _AUTO_ORDER: tuple[tuple[str, str, str | None], ...] = (
     ("ddp", "ddp", None),
+    ("zero1", "zero1", None),
+    ("fsdp-grad_op", "fsdp", "grad_op"),
+    ("fsdp-full", "fsdp", "full"),
+)
+# On several nodes the link between them is the slow one: ddp and hsdp cross it once per step
+# with the gradients (hsdp: each rank its shard), zero1 adds an all-gather of the parameters
+# across every rank, fsdp two per micro-step.
+_AUTO_ORDER_NODES: tuple[tuple[str, str, str | None], ...] = (
+    ("ddp", "ddp", None),
+    ("hsdp-grad_op", "hsdp", "grad_op"),
+    ("hsdp-full", "hsdp", "full"),
     ("zero1", "zero1", None),
     ("fsdp-grad_op", "fsdp", "grad_op"),
     ("fsdp-full", "fsdp", "full"),
@@ -145,8 +165,8 @@ class StrategyChoice:
     """What ``strategy="auto"`` picked and why.
 
     Attributes:
-        strategy: ``"single"``, ``"ddp"``, ``"zero1"`` or ``"fsdp"``.
-        sharding: ``"grad_op"`` or ``"full"`` when ``strategy == "fsdp"``, else None.
+        strategy: ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"``.
+        sharding: ``"grad_op"`` or ``"full"`` when ``strategy`` is fsdp or hsdp, else None.
         reason: One line naming the choice, the bytes per rank and the budget.
     """
 
@@ -165,15 +185,19 @@ def estimate_memory(
     device_bytes: int | None = None,
     headroom: float = 0.8,
     block_params: int | None = None,
+    ranks_per_node: int | None = None,
 ) -> list[MemoryEstimate]:
     """Estimate the bytes per rank of every strategy (formulas: the table atop this module).
 
-    With N parameters, T trainable, W ranks, K optimizer states and G gathered parameters::
+    With N parameters, T trainable, W ranks (S of them per node), K optimizer states and G
+    gathered parameters::
 
         ddp           p*N           + g*T   + (m + K*s)*T
         zero1         p*N           + g*T   + (m + K*s)*T/W
         fsdp-grad_op  p*N/W + c*N   + g*T/W + (m + K*s)*T/W
         fsdp-full     p*N/W + c*G   + g*T/W + (m + K*s)*T/W
+        hsdp-grad_op  p*N/S + c*N   + g*T/S + (m + K*s)*T/S     (several nodes only)
+        hsdp-full     p*N/S + c*G   + g*T/S + (m + K*s)*T/S
         deepspeed-1   p*N           + g*T   + (m + K*s)*T/W
         deepspeed-2   p*N           + g*T/W + (m + K*s)*T/W
         deepspeed-3   p*N/W + c*G   + g*T/W + (m + K*s)*T/W
@@ -195,13 +219,17 @@ def estimate_memory(
         headroom: Fraction of ``device_bytes`` the model may use.
         block_params: G, the parameters full sharding gathers at once. Default: detected for a
             model (``gathered_params``); for a number, the whole model (the wrapping is unknown).
+        ranks_per_node: S, the ranks of one node; when the world spans several nodes
+            (``1 < S < world_size``) the hsdp rows follow the fsdp ones.
 
     Returns:
-        One estimate per strategy, in the order of ``STRATEGIES``.
+        One estimate per strategy, in the order of ``STRATEGIES`` (with ``HSDP_ROWS`` after
+        ``fsdp-full`` on several nodes).
 
     Raises:
         ConfigError: A negative count, ``world_size < 1``, an unknown precision, a headroom outside
-            (0, 1], a non-positive ``device_bytes`` or ``block_params`` above the parameter count.
+            (0, 1], a non-positive ``device_bytes``, ``block_params`` above the parameter count,
+            or a ``ranks_per_node`` that does not divide ``world_size``.
     """
     if hasattr(model_or_num_params, "parameters"):  # a torch module
         num_params = count_params(model_or_num_params)
@@ -221,24 +249,34 @@ def estimate_memory(
     if block_params > num_params:
         raise ConfigError(f"block_params={block_params} exceeds the {num_params} parameters")
     budget = _budget(device_bytes, headroom)
+    rows = list(STRATEGIES)
+    if ranks_per_node is not None:
+        _check_int("ranks_per_node", ranks_per_node, minimum=1)
+        if world_size % ranks_per_node:
+            raise ConfigError(f"ranks_per_node={ranks_per_node} does not divide world_size="
+                              f"{world_size}; nodes run the same number of ranks")
+        if 1 < ranks_per_node < world_size:
+            rows[rows.index("fsdp-full") + 1:rows.index("fsdp-full") + 1] = HSDP_ROWS
 
-    def shard(count: int, is_sharded: bool) -> int:
+    def shard(count: int, is_sharded: bool, ranks: int) -> int:
         # Elements per rank, rounded up: FSDP2 and DeepSpeed pad every shard to the same size.
-        return -(-count // world_size) if is_sharded else count
+        return -(-count // ranks) if is_sharded else count
 
     estimates = []
-    for strategy in STRATEGIES:
+    for strategy in rows:
         sharding = _SHARDING[strategy]
+        ranks = ranks_per_node if sharding.within_node and ranks_per_node else world_size
         size = _BYTES[sharding.deepspeed, precision]
         gathered = {"none": 0, "all": num_params, "block": block_params}[sharding.gathered]
-        params_bytes = size.param * shard(num_params, sharding.params) + size.gathered * gathered
-        grads_bytes = size.grad * shard(trainable, sharding.grads)
+        params_bytes = (size.param * shard(num_params, sharding.params, ranks)
+                        + size.gathered * gathered)
+        grads_bytes = size.grad * shard(trainable, sharding.grads, ranks)
         # DeepSpeed's ZeRO 1/2 optimizer clones its fp32 partition even in fp32
         # (single_partition_of_fp32_groups): measured by bench/memory.py.
         master = 4 if sharding.deepspeed and not sharding.params and precision == "fp32" else (
             size.master)
         per_param_optimizer = master + optimizer_states * size.state
-        optimizer_bytes = per_param_optimizer * shard(trainable, sharding.optimizer)
+        optimizer_bytes = per_param_optimizer * shard(trainable, sharding.optimizer, ranks)
         total = params_bytes + grads_bytes + optimizer_bytes + activation_bytes
         estimates.append(
             MemoryEstimate(
@@ -260,19 +298,24 @@ def choose_strategy(
     device_bytes: int,
     headroom: float = 0.8,
     world_size: int,
+    ranks_per_node: int | None = None,
 ) -> StrategyChoice:
     """Pick the strategy with the least communication that fits ``headroom * device_bytes``.
 
     One rank gets ``"single"``. Otherwise ddp, zero1, fsdp ``grad_op`` and fsdp ``full`` are
-    tried in that order (each communicates more than the one before); DeepSpeed is never picked
-    automatically. When nothing fits the answer is fsdp ``full`` with a reason saying by how much
-    it misses: the caller decides whether that is an error.
+    tried in that order (each communicates more than the one before). On several nodes (the
+    estimates have the hsdp rows) the link between nodes decides: ddp, hsdp ``grad_op``, hsdp
+    ``full`` (sharded within a node, so a model that fits sharded over one node's ranks
+    crosses nodes once per step), then zero1 and fsdp. DeepSpeed is never picked
+    automatically. When nothing fits the answer is fsdp ``full`` with a reason saying by how
+    much it misses: the caller decides whether that is an error.
 
     Args:
         estimates: From ``estimate_memory`` (must include ddp, zero1, fsdp-grad_op, fsdp-full).
         device_bytes: Memory per rank, e.g. from ``device_free_bytes``.
         headroom: Fraction of ``device_bytes`` the model may use.
         world_size: Data-parallel ranks.
+        ranks_per_node: the ranks of one node (named in an hsdp choice's reason).
 
     Returns:
         The choice, with a one-line reason that names the bytes per rank.
@@ -290,19 +333,24 @@ def choose_strategy(
         raise ConfigError(f"estimates lack {', '.join(missing)}; pass estimate_memory()'s list")
     of_budget = f"{headroom:.0%} of {_gib(device_bytes)}"
     ddp_total = by_name["ddp"].total_bytes
+    nodes = HSDP_ROWS[0] in by_name
 
     if world_size == 1:
         verdict = _verdict(ddp_total, budget, of_budget)
         return StrategyChoice(
             strategy="single", sharding=None, reason=f"single (world size 1): {verdict}"
         )
-    for name, strategy, sharding in _AUTO_ORDER:
+    for name, strategy, sharding in _AUTO_ORDER_NODES if nodes else _AUTO_ORDER:
         total = by_name[name].total_bytes
         if total <= budget:
             label = strategy if sharding is None else f"{strategy} (sharding={sharding})"
             reason = f"{label}: {_verdict(total, budget, of_budget)}"
             if name != "ddp":
                 reason += f"; ddp needs {_gib(ddp_total)}"
+            if strategy == "hsdp":
+                within = f"the {ranks_per_node} ranks of a node" if ranks_per_node else "a node"
+                reason += (f"; sharded within {within}, replicated across nodes: "
+                           "the nodes exchange gradient shards once per step")
             return StrategyChoice(strategy=strategy, sharding=sharding, reason=reason)
     full_total = by_name["fsdp-full"].total_bytes
     reason = (

@@ -101,7 +101,8 @@ class TrainConfig:
         output_dir: the run directory (metrics, checkpoints, plot).
         nproc: processes to launch on this machine: ``auto`` (GPUs, else CPU cores) or N.
         seed: seeds every rank identically (model init, shuffling).
-        strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``deepspeed``.
+        strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``hsdp`` (several
+            nodes), ``deepspeed``.
         precision: ``auto``, ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``.
         reduce_dtype: what gradients travel in between ranks: ``fp32``, ``bf16``, ``fp16``
             (``fp16-mixed`` only); null: the precision's (float32; bf16 under ``bf16-true``).

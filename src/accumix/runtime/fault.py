@@ -56,7 +56,7 @@ class Watchdog:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, interval: float) -> None:
         self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
-        self._run: weakref.ref[RunState] | None = None
+        self._watched: weakref.ref[RunState] | None = None
         self._seq = 0
         self._stop = threading.Event()
         self._beat()
@@ -65,12 +65,12 @@ class Watchdog:
 
     def watch(self, run: RunState) -> None:
         """Reports ``run``'s progress from now on (the newest Accelerator's of the process)."""
-        self._run = weakref.ref(run)
+        self._watched = weakref.ref(run)
 
     def progress(self) -> tuple[int, int, int]:
         """(windows finished, micro-steps begun in the next one, accumix collectives entered
         between windows): grows with every micro-step and every such collective."""
-        run = self._run() if self._run is not None else None
+        run = self._watched() if self._watched is not None else None
         if run is None:
             return (0, 0, 0)
         window, entered = run.window, run.sync_points
@@ -79,7 +79,7 @@ class Watchdog:
         return (window.index, window.micro_step, entered)
 
     def _label(self) -> str:
-        run = self._run() if self._run is not None else None
+        run = self._watched() if self._watched is not None else None
         return run.sync_label if run is not None else ""
 
     def _beat(self) -> None:
@@ -177,7 +177,7 @@ def advance(label: str) -> None:
     """This rank finished its own part of a collective (its files of a checkpoint write) and
     now waits for the others: progress, so a rank still inside its part is named as behind.
     The label stays until the enclosing ``phase`` ends."""
-    watched = _watchdog._run if _watchdog is not None else None
+    watched = _watchdog._watched if _watchdog is not None else None
     run = watched() if watched is not None else None
     if run is not None:
         run.sync_points += 1
@@ -200,13 +200,13 @@ def start_watchdog(run: RunState, timeout: float) -> Watchdog | None:
     if run.world_size == 1 or not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         return None
     if _watchdog is None or _watchdog._stop.is_set():
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        job_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         try:
             client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                    is_master=False, timeout=timedelta(seconds=min(timeout, 10)),
                                    wait_for_workers=False)
-            store = dist.PrefixStore(f"accumix/{run}/{attempt}/", client)
+            store = dist.PrefixStore(f"accumix/{job_id}/{attempt}/", client)
             interval = min(1.0, max(0.1, timeout / 10))
             _watchdog = Watchdog(store, run.rank, run.world_size, interval)
         except Exception:  # noqa: BLE001 - no diagnosis then, but training is unaffected

@@ -89,8 +89,10 @@ def _choose_auto_strategy(run: RunState, model: nn.Module, optimizers: list[Opti
     """Swaps the provisional ddp for the memory model's choice, before anything is set up."""
     run.auto_strategy = False
     free = agreed_free_bytes(run.strategy, run.device, run.launch.local_world_size)
+    launch = run.launch
     chosen, reason = choose_auto_strategy(
-        model, optimizers, policy=run.policy, world_size=run.world_size, device_bytes=free
+        model, optimizers, policy=run.policy, world_size=run.world_size, device_bytes=free,
+        ranks_per_node=launch.local_world_size if launch.num_nodes > 1 else None,
     )
     chosen.connect(launch=run.launch, device=run.device, policy=run.policy,
                    scaler=run.strategy.scaler)

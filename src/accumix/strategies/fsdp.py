@@ -166,7 +166,7 @@ class FSDPStrategy(Strategy):
         if self.activation_checkpointing:
             for block in blocks:
                 _checkpoint_forward(block)
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.mesh = self.device_mesh()
         if self.parallelize_fn is not None:
             model = self.parallelize_fn(model, self.mesh)
         else:
@@ -184,6 +184,11 @@ class FSDPStrategy(Strategy):
         for optimizer in optimizers:
             _repoint(optimizer, names, new_params)
         return model, optimizers
+
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` shards over (collective): every rank in one dimension. A
+        subclass with more dimensions (hsdp's replicate x shard) overrides it."""
+        return init_device_mesh(self.device.type, (self.world_size,))
 
     def _blocks(self, model: nn.Module) -> list[nn.Module]:
         if self.wrap is None:
