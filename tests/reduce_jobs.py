@@ -49,31 +49,52 @@ def autocast_forward(model: nn.Module, dtype: torch.dtype | None
     return forward
 
 
-def wire_mean(grads: list[torch.Tensor], wire: torch.dtype) -> torch.Tensor:
-    """What every strategy's reduction gives for the ranks' local gradients ``grads``."""
+def node_sums(grads: list[torch.Tensor], wire: torch.dtype, nodes: int = 1
+              ) -> list[torch.Tensor]:
+    """Each node's sum in ``wire`` of its ranks' shares (``grads`` in rank order, each divided
+    by the world first; consecutive ranks share a node)."""
     parts = [(g / len(grads)).to(wire) for g in grads]
-    total = parts[0]
-    for part in parts[1:]:
+    per_node = len(parts) // nodes
+    sums = []
+    for node in range(nodes):
+        total = parts[node * per_node]
+        for part in parts[node * per_node + 1:(node + 1) * per_node]:
+            total = total + part
+        sums.append(total)
+    return sums
+
+
+def wire_mean(grads: list[torch.Tensor], wire: torch.dtype, nodes: int = 1) -> torch.Tensor:
+    """What every strategy's reduction gives for the ranks' local gradients ``grads``: summed
+    inside each node, then across the nodes (hsdp's all-reduce), in ``wire``."""
+    sums = node_sums(grads, wire, nodes)
+    total = sums[0]
+    for part in sums[1:]:
         total = total + part
     return total.to(grads[0].dtype)
 
 
 def reference(model: nn.Module, *, windows: int, accum: int, wire: torch.dtype,
               autocast: torch.dtype | None = None, extra: list[nn.Parameter] = (),
-              every_micro_step: bool = False) -> list[torch.Tensor]:
+              every_micro_step: bool = False, world: int = WORLD, nodes: int = 1,
+              partial_sums: bool = False) -> list[torch.Tensor]:
     """Plain PyTorch on one process: the ranks' windows, each summed in float32 (loss / K per
     micro-step, as accumix scales it), reduced as ``wire_mean``, one SGD step per window.
     ``extra``: a parameter outside the model that multiplies the loss, stepped too.
     ``every_micro_step``: each micro-step reduced on its own and the results summed in float32
-    (fsdp's ``sync_each_microstep``, DeepSpeed's ZeRO-2)."""
+    (fsdp's ``sync_each_microstep``, DeepSpeed's ZeRO-2). ``nodes``: the ranks' sums are taken
+    inside each node, then across. ``partial_sums`` (hsdp's default): each micro-step summed
+    inside the nodes in ``wire``; a node's off-boundary sums add in float32, into the boundary's
+    (rounded to ``wire`` once), then across the nodes."""
     model = copy.deepcopy(model)
     forward = autocast_forward(model, autocast)
     extra = [nn.Parameter(p.detach().clone()) for p in extra]
     params = [*model.parameters(), *extra]
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-    def reduced(window: int, micro_steps: range) -> list[torch.Tensor]:
+    def local(window: int, micro_steps: range) -> list[list[torch.Tensor]]:
+        """Each parameter's gradients, rank by rank."""
         per_rank = []
-        for rank in range(WORLD):
+        for rank in range(world):
             for p in params:
                 p.grad = None
             for micro in micro_steps:
@@ -82,10 +103,35 @@ def reference(model: nn.Module, *, windows: int, accum: int, wire: torch.dtype,
                     loss = loss * extra[0]
                 (loss * (1.0 / accum)).backward()
             per_rank.append([p.grad.clone() for p in params])
-        return [wire_mean(list(grads), wire) for grads in zip(*per_rank, strict=True)]
+        return [list(grads) for grads in zip(*per_rank, strict=True)]
+
+    def reduced(window: int, micro_steps: range) -> list[torch.Tensor]:
+        return [wire_mean(grads, wire, nodes) for grads in local(window, micro_steps)]
+
+    def hsdp(window: int) -> list[torch.Tensor]:
+        partial = None
+        for micro in range(accum - 1):
+            sums = [[s.float() for s in node_sums(grads, wire, nodes)]
+                    for grads in local(window, range(micro, micro + 1))]
+            partial = sums if partial is None else [
+                [a + b for a, b in zip(x, y, strict=True)] for x, y in zip(partial, sums,
+                                                                          strict=True)]
+        out = []
+        for index, grads in enumerate(local(window, range(accum - 1, accum))):
+            last = node_sums(grads, wire, nodes)
+            if partial is not None:  # bf16 += float32: added in float32, rounded once
+                last = [(a.float() + b).to(wire) for a, b in zip(last, partial[index],
+                                                                  strict=True)]
+            total = last[0]
+            for part in last[1:]:
+                total = total + part
+            out.append(total.to(grads[0].dtype))
+        return out
 
     for window in range(windows):
-        if every_micro_step:
+        if partial_sums:
+            grads = hsdp(window)
+        elif every_micro_step:
             parts = [reduced(window, range(micro, micro + 1)) for micro in range(accum)]
             grads = [sum(each[1:], each[0]) for each in zip(*parts, strict=True)]
         else:

@@ -27,7 +27,7 @@ from accumix.precision.reduce_dtype import EffectiveDtypes
 from accumix.runtime.env import LaunchEnv
 from accumix.step.compile import Compiler
 from accumix.strategies.base import Strategy, grad_mark
-from accumix.strategies.fsdp_reduce import narrow_reduction
+from accumix.strategies.fsdp_reduce import NarrowedReduction
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_units
 
@@ -123,6 +123,7 @@ class FSDPStrategy(Strategy):
         self.activation_checkpointing = activation_checkpointing
         self.mesh: DeviceMesh | None = None
         self._units: dict[int, list[FSDPModule]] = {}  # id(root) -> its FSDP units
+        self._narrowed: dict[int, NarrowedReduction] = {}  # id(root) -> its narrower wire
 
     def connect(self, *, launch: LaunchEnv, device: torch.device, policy: Policy,
                 scaler: LossScaler) -> None:
@@ -177,7 +178,9 @@ class FSDPStrategy(Strategy):
                               "call fully_shard(module, mesh=mesh) inside it")
         assert self.policy is not None
         if self._accumulation_dtype() != self.policy.reduce_dtype:  # a narrower wire
-            narrow_reduction(model, units, self.policy.reduce_dtype, self.dp_world_size)
+            self._narrowed[id(model)] = NarrowedReduction(
+                model, units, self.policy.reduce_dtype, self._accumulation_dtype(),
+                self.dp_world_size)
         self._units[id(model)] = units
         agree_buffers_after_forward(model, model, self.broadcast)
         new_params = dict(model.named_parameters())

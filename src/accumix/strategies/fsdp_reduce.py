@@ -23,7 +23,8 @@ computes it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,10 +38,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 
 class PreDividedReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter with each rank's share divided by ``divide_by`` first, summed."""
+    """FSDP2's reduce-scatter in ``wire``, each rank's share divided by ``divide_by`` first,
+    summed. An input FSDP2 allocated in a wider dtype (hsdp's off-boundary micro-steps, see
+    ``NarrowedReduction.partial_sums``) is divided there, cast for the collective, and the
+    reduced shard cast back into the wider output."""
 
-    def __init__(self, divide_by: int) -> None:
-        self.divide_by = divide_by
+    def __init__(self, wire: torch.dtype, divide_by: int) -> None:
+        self.wire, self.divide_by = wire, divide_by
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -49,25 +53,62 @@ class PreDividedReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
         input_tensor.div_(self.divide_by)
-        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group,
-                                          op=dist.ReduceOp.SUM, async_op=async_op)
+        if input_tensor.dtype == self.wire:
+            return dist.reduce_scatter_single(output_tensor, input_tensor, group=group,
+                                              op=dist.ReduceOp.SUM, async_op=async_op)
+        reduced = torch.empty_like(output_tensor, dtype=self.wire)
+        dist.reduce_scatter_single(reduced, input_tensor.to(self.wire), group=group,
+                                   op=dist.ReduceOp.SUM)
+        output_tensor.copy_(reduced)
+        return None
 
 
-def narrow_reduction(root: nn.Module, units: list[FSDPModule], wire: torch.dtype,
-                     dp_world_size: int) -> None:
-    """Makes ``units`` (the FSDP units of ``root``) reduce in ``wire``; the window stays in the
-    dtype their ``MixedPrecisionPolicy`` accumulates in. Call right after ``fully_shard``."""
-    for unit in units:
-        unit.set_gradient_divide_factor(1.0)  # no division by FSDP2: the custom comm divides
-        unit.set_force_sum_reduction_for_comms(True)
-        unit.set_custom_reduce_scatter(PreDividedReduceScatter(dp_world_size))
+class NarrowedReduction:
+    """The units of one root reducing in ``wire`` while their window sums in ``accumulation``.
 
-    def after_first_forward(*_: Any) -> None:
+    Args:
+        root: the model ``fully_shard`` was applied to last.
+        units: its FSDP units.
+        wire: the reduce dtype.
+        accumulation: the dtype their ``MixedPrecisionPolicy`` sums the window in.
+        dp_world_size: the ranks each rank's share is divided by.
+    """
+
+    def __init__(self, root: nn.Module, units: list[FSDPModule], wire: torch.dtype,
+                 accumulation: torch.dtype, dp_world_size: int) -> None:
+        self.units, self.wire, self.accumulation = units, wire, accumulation
+        self.current = wire  # what the groups' reduce-scatters allocate in now
+        self.initialised = False
         for unit in units:
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
-                group._reduce_dtype = wire
-        handle.remove()
+            unit.set_gradient_divide_factor(1.0)  # no division by FSDP2: the comm divides
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_custom_reduce_scatter(PreDividedReduceScatter(wire, dp_world_size))
+        # FSDP2 initialises the groups' dtypes lazily, in the root's first forward (before any
+        # backward); a forward hook on the root runs right after it.
+        self._handle = root.register_forward_hook(self._after_first_forward)
 
-    # FSDP2 initialises the groups' dtypes lazily, in the root's first forward (before any
-    # backward); a forward hook on the root runs right after it.
-    handle = root.register_forward_hook(after_first_forward)
+    def _after_first_forward(self, *_: Any) -> None:
+        self.initialised = True
+        self._apply(self.current)
+        self._handle.remove()
+
+    def _apply(self, dtype: torch.dtype) -> None:
+        self.current = dtype
+        if not self.initialised:
+            return
+        for unit in self.units:
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                group._reduce_dtype = dtype
+
+    @contextlib.contextmanager
+    def partial_sums(self) -> Iterator[None]:
+        """An off-boundary micro-step whose reduce-scatter FSDP2 keeps for later (hsdp's
+        partial accumulator): allocated in the accumulation dtype, so the window's partial sums
+        add in float32; the reduce-scatter itself still travels in ``wire``. The boundary's
+        adds its own shard (``wire``) to them, rounding the sum once for the cross-node
+        all-reduce."""
+        self._apply(self.accumulation)
+        try:
+            yield
+        finally:
+            self._apply(self.wire)

@@ -1,12 +1,13 @@
-"""Writes the weights that ``tests/distributed/test_reduce_dtype.py`` compares bitwise: each
+"""Writes the weights that ``tests/distributed/test_reduce_dtype*.py`` compare bitwise: each
 torch strategy's run under its default reduction, trained by the code before ``reduce_dtype``
-(bbd32c7), public API only, so the same script runs on both.
+(bbd32c7; hsdp, which came later: 42bb48a), public API only, so the same script runs on both.
 
     PYTHONPATH=<old checkout>/src:. python tests/golden/pre_reduce33/make.py \
         tests/golden/pre_reduce33
 
 Every case trains 3 optimizer steps (K=2, SGD with momentum, 2 ranks on gloo, each rank its own
-batches) and keeps rank 0's full state dict.
+batches; hsdp: 4 ranks as 2 simulated nodes, ``weights4.safetensors``) and keeps rank 0's full
+state dict. ``--hsdp`` writes only the 4-rank file.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ CASES = {
 }
 
 
+CASES4 = {"hsdp-fp32": ("hsdp", "fp32"), "hsdp_defer-fp32": ("hsdp_defer", "fp32")}
+
+
 def strategy_of(word: str) -> Any:
+    if word == "hsdp_defer":
+        return ax.HSDPStrategy(defer_reduce_scatter=True)
     if word.startswith("deepspeed"):
         return ax.DeepSpeedStrategy(stage=int(word[-1]))
     if word == "fsdp_sync":
@@ -68,25 +74,29 @@ def train(strategy: Any, precision: str, steps: int = 3, accum: int = 2, **kwarg
     return acc, state
 
 
-def every_case() -> dict[str, Any]:
+def every_case(cases: dict[str, tuple[str, str]] = CASES) -> dict[str, Any]:
     """Each case's state dict under ``<case>/<key>`` as numpy arrays (they pickle by value
     across processes), rank 0's; empty on the others."""
     out = {}
-    for case, (word, precision) in CASES.items():
+    for case, (word, precision) in cases.items():
         _, state = train(strategy_of(word), precision)
         out.update({f"{case}/{k}": v.numpy() for k, v in state.items()})
     return out
 
 
-def _write(directory: str) -> None:
+def _write(directory: str, hsdp_only: bool) -> None:
     from safetensors.torch import save_file
 
     from accumix.testing import spawn
 
-    weights = spawn(every_case, 2, timeout=900)[0]
-    save_file({k: torch.from_numpy(v).contiguous() for k, v in weights.items()},
-              str(Path(directory) / "weights.safetensors"))
+    runs = [("weights4.safetensors", 4, 2, CASES4)]
+    if not hsdp_only:
+        runs.insert(0, ("weights.safetensors", 2, 1, CASES))
+    for name, ranks, nodes, cases in runs:
+        weights = spawn(every_case, ranks, (cases,), timeout=900, nodes=nodes)[0]
+        save_file({k: torch.from_numpy(v).contiguous() for k, v in weights.items()},
+                  str(Path(directory) / name))
 
 
 if __name__ == "__main__":
-    _write(sys.argv[1])
+    _write(sys.argv[1], "--hsdp" in sys.argv[2:])
