@@ -3,10 +3,11 @@
     python bench/reduce_dtype.py                          # 4 ranks, K = 1, 4, 16, every row
     python bench/reduce_dtype.py --rows ddp-bf16 --k 1    # one row, a smoke run
 
-Four ranks on gloo (``accumix.testing.spawn``) train the same small transformer
-(``accumix.testing.TinyTransformer``, 2 layers of width 32) for 10 SGD steps; the global batch is
-fixed (16 sequences per rank) and split into K micro-batches per rank. Each row is one
-(strategy, precision, reduce dtype) through ``accumix.testing.reduction_error_job``:
+Four ranks on gloo (``accumix.testing.spawn``, as 2 simulated nodes of 2 for hsdp) train the
+same small transformer (``accumix.testing.TinyTransformer``, 2 layers of width 32) for 10 SGD
+steps; the global batch is fixed (16 sequences per rank) and split into K micro-batches per
+rank. Each row is one (strategy, precision, reduce dtype) through
+``accumix.testing.reduction_error_job``:
 
 * bytes/step: gradient payload one rank hands to its all-reduces and reduce-scatters per
   optimizer step (``CollectiveLog`` around the backward calls; ddp's float32 rows register
@@ -57,6 +58,7 @@ ROWS = {
     "deepspeed1-fp32": ("deepspeed1", "fp32", "fp32"),
     "deepspeed1-bf16": ("deepspeed1", "fp32", "bf16"),
     "deepspeed2-bf16": ("deepspeed2", "fp32", "bf16"),
+    "hsdp-fp32": ("hsdp", "fp32", "fp32"), "hsdp-bf16": ("hsdp", "fp32", "bf16"),
     "accelerate-bf16-hook": ("accelerate", "fp32", "bf16"),
 }
 LINKS = (("100 Gb/s Ethernet", 12.5e9), ("400 Gb/s InfiniBand", 50e9))
@@ -149,7 +151,7 @@ def main() -> None:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; use {', '.join(ROWS)}")
-    results = spawn(rank_main, nprocs=4, args=(rows, args.k), timeout=3600)[0]
+    results = spawn(rank_main, nprocs=4, args=(rows, args.k), timeout=3600, nodes=2)[0]
     params = sum(p.numel() for p in TinyTransformer().parameters())
     table, per_param = [], {}
     for row in rows:
@@ -161,7 +163,7 @@ def main() -> None:
             table.append([word, precision, reduce_dtype, k, f"{r['bytes']:,.0f}",
                           "/".join(d.removeprefix("torch.") for d in r["dtypes"]),
                           f"{r['weights']:.2e}", f"{r['update']:.2e}"])
-    print(machine_line("4 ranks, gloo"))
+    print(machine_line("4 ranks as 2 nodes, gloo"))
     print(f"model: TinyTransformer, {params:,} parameters; 10 SGD steps (lr 0.1, momentum 0.9), "
           "16 sequences of 16 tokens per rank per step, in K micro-batches\n")
     print(markdown_table(["strategy", "precision", "reduce", "K", "bytes/step", "wire dtype",
