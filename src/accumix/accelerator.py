@@ -136,6 +136,7 @@ class Accelerator:
         if seed is not None:
             seed_everything(seed)
         run.watchdog = fault.start_watchdog(run, timeout)
+        fault.die_with_launcher()
         self._micro_step = micro_step._MicroStep(run, ())  # accumulate()'s common context
         lifecycle.check_same_config(run)
 
@@ -436,6 +437,7 @@ class Accelerator:
         signals: tuple[int, ...] = (signal.SIGTERM,),
         keep_last: int | None = None,
         exit: bool = True,
+        save: Callable[[], Any] | None = None,
     ) -> fault.PreemptionHandler:
         """On one of ``signals`` (on any rank), save at the next window boundary, then exit 0.
 
@@ -449,13 +451,18 @@ class Accelerator:
             keep_last: passed to ``save_state``.
             exit: raise ``SystemExit(0)`` after the save; False only sets the returned
                 handler's ``triggered`` (the loop then breaks itself).
+            save: what writes the checkpoint (every rank calls it at the same boundary; it
+                returns the step directory); default ``acc.save_state(run_dir,
+                keep_last=keep_last)``. The Trainer passes its own, which adds its loop's
+                state.
 
         Returns:
             The handler (``triggered``, ``checkpoint``).
         """
         return lifecycle.handle_preemption(
             self._run, run_dir, signals=signals, keep_last=keep_last, exit=exit,
-            save=lambda directory, keep: self.save_state(directory, keep_last=keep))
+            save=(lambda directory, keep: save()) if save is not None
+            else lambda directory, keep: self.save_state(directory, keep_last=keep))
 
     def end(self) -> None:
         """Waits for every rank and releases what the strategy holds.

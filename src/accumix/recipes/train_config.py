@@ -123,7 +123,8 @@ class TrainConfig:
         progress_bar: show the progress bar.
         plot: write ``metrics.png`` at the end.
         loggers: metric loggers: ``csv``, ``jsonl``, ``tensorboard``, ``mlflow``, ``wandb``,
-            ``clearml`` (null: csv, jsonl and tensorboard when installed).
+            ``clearml``, each once (``[csv,mlflow]``; one word alone or ``csv,mlflow`` is read
+            as that list; null: csv, jsonl and tensorboard when installed).
         log_model: trackers upload the final ``model.safetensors``.
         system_metrics_every: every rank's system metrics every N steps (null: off).
         model: the GPT's shape.
@@ -192,12 +193,12 @@ class TrainConfig:
             raise ConfigError("max_steps and max_epochs are both null; give one of them")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"grad_clip={self.grad_clip} is invalid; use a number > 0 or null")
-        from accumix.trainer.loggers import LOGGER_WORDS
+        from accumix.trainer.loggers import check_logger_words
 
-        unknown = [w for w in self.loggers or () if w not in LOGGER_WORDS]
-        if unknown:
-            raise ConfigError(f"loggers: unknown logger {unknown[0]!r}; use "
-                              f"{', '.join(LOGGER_WORDS)}")
+        try:
+            check_logger_words(list(self.loggers or ()))
+        except ConfigError as exc:
+            raise ConfigError(f"loggers: {exc}") from None
         if not 0 < self.data.val_fraction < 1:
             raise ConfigError(f"data.val_fraction={self.data.val_fraction} is invalid; use a "
                               "number in (0, 1)")

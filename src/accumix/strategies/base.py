@@ -230,6 +230,17 @@ class Strategy:
         works instead.
         """
 
+    def backward_reduced(self, model: nn.Module | None) -> bool:
+        """Whether the last backward that reached ``model`` with its gradient sync on left its
+        gradients reduced over the ranks. Read after each backward on the optimizers it reached;
+        False makes the boundary reduce the model once (``reduce_deferred_grads``) before
+        anything reads its gradients. Backends that reduce in every synced backward (or never
+        reduce) answer True; DDP's reducer reduces once per forward, so a second backward
+        through one forward's graph is left local (two forwards of a GAN's discriminator, then
+        two backward calls).
+        """
+        return True
+
     def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (its shards, for sharded backends)."""
         return [p.grad for p in params if p.grad is not None]

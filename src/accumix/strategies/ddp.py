@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from accumix.errors import ConfigError
 from accumix.step.compile import Compiler
 from accumix.strategies.base import Strategy
+from accumix.strategies.ddp_reducer_turns import ReducerTurns
 from accumix.strategies.reduce_hook import reduce_in_dtype_, register_reduce_dtype_hook
 
 
@@ -60,6 +61,7 @@ class DDPStrategy(Strategy):
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         self._wrapped: set[int] = set()  # ids of the parameters inside a DDP-wrapped model
+        self._turns = ReducerTurns()  # which backward calls DDP's reducer reduced
 
     def probe_settings(self) -> dict[str, Any]:
         return {**self.ddp_kwargs, "sync_batchnorm": self.sync_batchnorm}
@@ -80,6 +82,7 @@ class DDPStrategy(Strategy):
             self._wrapped.update(id(p) for p in model.parameters())
             if self._wire_dtype(model) is not None:
                 register_reduce_dtype_hook(model, self._wire_dtype(model), self.world_size)
+            self._turns.watch(model)
         return model, optimizers
 
     def _wire_dtype(self, model: nn.Module) -> torch.dtype | None:
@@ -118,12 +121,21 @@ class DDPStrategy(Strategy):
                 average_grads_(outside, self.world_size, self.policy.reduce_dtype)
         return super().finalize_gradients(params, factor)
 
+    def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
+        self._turns.backward(loss)
+
+    def backward_reduced(self, model: nn.Module | None) -> bool:
+        """False after a second backward through one synced forward of ``model`` (DDP's
+        reducer reduces once per forward; ``ddp_reducer_turns``)."""
+        return self._turns.reduced(model)
+
     def reduce_deferred_grads(self, model: nn.Module) -> None:
         """What DDP's synced backward would have done, once: every gradient of the model
         averaged over the ranks, in one flat all-reduce per gradient dtype."""
         if isinstance(model, DistributedDataParallel):
             average_grads_([p for p in model.parameters() if p.requires_grad], self.world_size,
                            self._wire_dtype(model))
+            self._turns.mark_reduced(model)
 
 
 def average_grads_(params: list[nn.Parameter], world_size: int,
