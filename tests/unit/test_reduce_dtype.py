@@ -141,16 +141,36 @@ def test_deepspeed_communicates_and_accumulates_as_told() -> None:
         _ds_config(_policy("bf16-mixed"), {"data_types": {"grad_accum_dtype": "bf16"}})
 
 
-def test_the_recipe_key() -> None:
+def test_the_recipe_key(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``reduce_dtype`` in a YAML file and as an ``accumix train`` override; a bad value is one
+    line and exit status 2 before any rank starts. (The key reaching the Accelerator and the
+    trackers: ``tests/distributed/test_trackers.py``.)"""
+    from accumix.cli.main import main
     from accumix.recipes.train_config import TrainConfig
+    from accumix.trainer.config import load_config
 
     assert TrainConfig(reduce_dtype="bf16").reduce_dtype == "bf16"
     assert TrainConfig().reduce_dtype is None
-    with pytest.raises(ax.ConfigError, match="reduce_dtype='int8'"):
-        TrainConfig(reduce_dtype="int8")
     with pytest.raises(ax.ConfigError, match="backend=jax"):
         TrainConfig(reduce_dtype="bf16", backend="jax")
     assert dataclasses.replace(TrainConfig(), reduce_dtype="fp16").reduce_dtype == "fp16"
+    (tmp_path / "job.yaml").write_text("reduce_dtype: bf16\nprecision: fp16-mixed\n")
+    assert load_config(TrainConfig, tmp_path / "job.yaml").reduce_dtype == "bf16"
+    assert load_config(TrainConfig, tmp_path / "job.yaml",
+                       ["reduce_dtype=fp16"]).reduce_dtype == "fp16"
+    assert load_config(TrainConfig, tmp_path / "job.yaml",
+                       ["reduce_dtype=null"]).reduce_dtype is None
+    assert main(["train", str(tmp_path / "job.yaml"), "--print-config"]) == 0
+    assert "reduce_dtype: bf16\n" in capsys.readouterr().out
+    for items, message in (
+            (["reduce_dtype=int8"], "reduce_dtype='int8' is invalid; use fp32, bf16, fp16 or "
+                                    "null (the precision's)"),
+            (["reduce_dtype=16"], "reduce_dtype='16' is invalid"),
+            (["reduce_dtype=fp16", "precision=bf16-mixed"],
+             "reduce_dtype='fp16' needs loss scaling")):
+        assert main(["train", *items, "--print-config"]) == 2, items
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (items, err)
 
 
 def test_estimate_memory_states_the_reduction_bytes() -> None:
@@ -165,3 +185,27 @@ def test_estimate_memory_states_the_reduction_bytes() -> None:
     assert reduce_dtype_of(None, "bf16-mixed") == "float32"
     assert reduce_dtype_of(None, "bf16-true") == "bfloat16"
     assert reduction_line(2**20, "bfloat16", 1, 8) == "gradient reduction: none (one process)"
+
+
+def test_estimate_memory_reads_the_recipe_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """The recipe's ``reduce_dtype`` (an override, as for ``accumix train``); ``--reduce-dtype``
+    wins over it."""
+    from accumix.cli.main import main
+    from accumix.recipes.gpt import GPT, GPTConfig
+
+    model = ["model.n_layer=1", "model.n_embd=64", "model.n_head=2"]
+    options = ["--world-size", "2", "--precision", "fp32", "--device-gib", "8"]
+    with torch.device("meta"):
+        trainable = sum(p.numel() for p in GPT(GPTConfig(
+            block_size=128, n_layer=1, n_head=2, n_embd=64)).parameters() if p.requires_grad)
+    bf16 = ["reduce_dtype=bf16"]
+    for key, flag, dtype, size in (([], [], "float32", 4), (bf16, [], "bfloat16", 2),
+                                   (bf16, ["--reduce-dtype", "fp32"], "float32", 4)):
+        assert main(["estimate-memory", *model, *key, *options, *flag]) == 0, (key, flag)
+        line = next(x for x in capsys.readouterr().out.splitlines()
+                    if x.startswith("gradient reduction"))
+        assert line.startswith(f"gradient reduction in {dtype}: "
+                               f"{trainable * size / 2**20:,.1f} MiB per rank"), (key, line)
+    assert main(["estimate-memory", *model, "reduce_dtype=fp16", *options]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reduce_dtype='fp16' needs loss scaling" in err[0], err

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from accumix.errors import ConfigError
-from accumix.precision.reduce_dtype import parse_reduce_dtype
+from accumix.precision.reduce_dtype import check_fp16_reduction, parse_reduce_dtype
 from accumix.precision.words import PRECISION_WORDS
 from accumix.recipes.gpt import GPTConfig
 from accumix.strategies.registry import STRATEGY_WORDS
@@ -180,7 +180,15 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r} is invalid; use one of "
                               f"{', '.join(PRECISION_WORDS)}")
         if self.reduce_dtype is not None:
-            parse_reduce_dtype(self.reduce_dtype)
+            try:
+                wire = parse_reduce_dtype(str(self.reduce_dtype))
+            except ConfigError:
+                raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid; use fp32, "
+                                  "bf16, fp16 or null (the precision's)") from None
+            if self.precision != "auto":  # "auto" resolves on each rank; the Accelerator checks
+                # One line here, not one traceback per rank after the launch.
+                check_fp16_reduction(wire, loss_scaled=self.precision == "fp16-mixed",
+                                     precision=self.precision)
             if self.backend == "jax":
                 raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is not available on "
                                   "backend=jax yet; leave reduce_dtype=null there")
