@@ -8,6 +8,7 @@
   ``sync_each_microstep`` and ZeRO-2 K times, as they state);
 * an fp16 reduction that overflows on one rank skips the step on both;
 * the edges: a parameter outside the model, two models (one unused on the boundary micro-step),
+  two backward calls through one synced forward (a GAN's discriminator), K=1 and K=16,
   bf16-mixed with a bf16 reduction, resume.
 
 Every check runs in the 2-rank spawn the distributed tests share (``shared_spawn``).
@@ -212,6 +213,71 @@ def _two_models() -> float:
     return rj.max_diff(got, [p.detach() for p in params])
 
 
+# -- two backward calls through one synced forward (a GAN's discriminator) -------------------
+def _second_backward(word: str) -> float:
+    """bf16 reduction, K=2: on every micro-step the model is forwarded on a "real" and a "fake"
+    batch before either backward, then ``acc.backward(real)``, ``acc.backward(fake)``. DDP's
+    reducer reduces only the boundary's first backward (in bf16, through the hook); accumix
+    reduces the model once more at the boundary (``ddp_reducer_turns``), in bf16 too. Returns
+    the largest difference from plain PyTorch doing exactly that (0: bitwise)."""
+    model = golden.make_model()
+    ref = copy.deepcopy(model)
+    acc = ax.Accelerator(strategy=_strategy(word), precision="fp32", grad_accum_steps=ACCUM,
+                         reduce_dtype="bf16")
+    opt = torch.optim.SGD(model.parameters(), lr=rj.LR, momentum=rj.MOMENTUM)
+    model, opt = acc.setup(model, opt)
+    for window in range(WINDOWS):
+        for micro in range(ACCUM):
+            with acc.accumulate():
+                real = rj.mse(model, rj.batch(acc.rank, window, micro))
+                fake = rj.mse(model, rj.batch(acc.rank, window, micro + 7))
+                acc.backward(real)
+                acc.backward(fake)
+                opt.step()
+                opt.zero_grad()
+    got = rj.full_params(acc, model)
+    acc.end()
+
+    params = list(ref.parameters())
+    ref_opt = torch.optim.SGD(params, lr=rj.LR, momentum=rj.MOMENTUM)
+
+    def grads_of(*losses: torch.Tensor) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        for loss in losses:
+            (loss * (1.0 / ACCUM)).backward()
+        return [p.grad.clone() for p in params]
+
+    for window in range(WINDOWS):
+        first, second = [], []  # per rank: the window up to the boundary's first backward; its
+        for rank in range(rj.WORLD):  # second backward alone
+            losses = [rj.mse(ref, rj.batch(rank, window, m + fake))
+                      for m in range(ACCUM) for fake in (0, 7)]
+            first.append(grads_of(*losses[:-1]))
+            second.append(grads_of(losses[-1]))
+        reduced = [rj.wire_mean(list(g), BF16) for g in zip(*first, strict=True)]
+        again = [[w + s for w, s in zip(reduced, mine, strict=True)] for mine in second]
+        for p, grads in zip(params, zip(*again, strict=True), strict=True):
+            p.grad = rj.wire_mean(list(grads), BF16)
+        ref_opt.step()
+    return rj.max_diff(got, [p.detach() for p in params])
+
+
+# -- K=1 and K=16 --------------------------------------------------------------------------------
+def _k_edges() -> dict[str, float]:
+    """bf16 reduction at K=1 (every micro-step a boundary, no ``no_sync``) and K=16 against
+    plain PyTorch: bitwise, the window summed in float32 and rounded once."""
+    model, out = golden.make_model(), {}
+    for word in ("ddp", "fsdp"):
+        for accum in (1, 16):
+            acc, _, got = rj.run(_strategy(word), windows=2, accum=accum, reduce_dtype="bf16",
+                                 model=model)
+            acc.end()
+            ref = rj.reference(model, windows=2, accum=accum, wire=BF16)
+            out[f"{word}-K{accum}"] = rj.max_diff(got, ref)
+    return out
+
+
 # -- resume ------------------------------------------------------------------------------------
 def _resume(word: str, run_dir: str) -> bool:
     """bf16 reduction: 4 windows straight, against 2, save, a new Accelerator, load, 2 more."""
@@ -252,6 +318,8 @@ def _all_checks(tmp: str) -> dict[str, Any]:
         "overflow": {f"{word}-{r}": _overflow(word, r) for word in ("ddp", "zero1", "fsdp")
                      for r in ("fp16", "fp32")},
         "two_models": _two_models(),
+        "second_backward": {word: _second_backward(word) for word in ("ddp", "zero1")},
+        "k_edges": _k_edges(),
         "resume": {word: _resume(word, f"{tmp}/{word}") for word in ("ddp", "fsdp")},
     }
 
@@ -317,5 +385,9 @@ def test_fp16_overflow_on_one_rank_skips_on_both(results: list[dict[str, Any]]) 
 
 def test_two_models_and_resume(results: list[dict[str, Any]]) -> None:
     assert results[0]["two_models"] == 0.0
+    for res in results:  # every rank equals the reference: the second backward was reduced
+        assert res["second_backward"] == {"ddp": 0.0, "zero1": 0.0}, res["second_backward"]
+        assert res["k_edges"] == dict.fromkeys(("ddp-K1", "ddp-K16", "fsdp-K1", "fsdp-K16"),
+                                               0.0), res["k_edges"]
     for res in results:
         assert res["resume"] == {"ddp": True, "fsdp": True}, res["resume"]
