@@ -354,6 +354,10 @@ def test_bf16_reduction_moves_half_the_gradient_bytes(results: list[dict[str, An
             assert "reduction bfloat16" in bf16["line"] and "reduction float32" in fp32["line"]
             assert "gradient accumulation float32" in bf16["line"], bf16["line"]
     lines = results[0]["bytes"]
+    # ddp and zero1: each gradient once per optimizer step, 2 bytes each (nothing travels on
+    # the off-boundary micro-steps, under DDP's no_sync, through the hook either)
+    numel = sum(p.numel() for p in golden.make_model().parameters())
+    assert lines["ddp-bf16"]["per_step"] == lines["zero1-bf16"]["per_step"] == 2 * numel
     # Where the reduction runs every micro-step, it says so (and moves K times the bytes).
     assert "every micro-step: sync_each_microstep" in lines["fsdp_sync-bf16"]["line"]
     assert lines["fsdp_sync-bf16"]["per_step"] == ACCUM * lines["fsdp-bf16"]["per_step"]

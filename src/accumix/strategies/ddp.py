@@ -131,7 +131,10 @@ class DDPStrategy(Strategy):
 
     def reduce_deferred_grads(self, model: nn.Module) -> None:
         """What DDP's synced backward would have done, once: every gradient of the model
-        averaged over the ranks, in one flat all-reduce per gradient dtype."""
+        averaged over the ranks, in one flat all-reduce per gradient dtype, in the wire dtype
+        the hook uses (after a second backward through one synced forward, the part the hook
+        reduced already is averaged again: exact, DDP's average being linear, but with a
+        16-bit wire it rounds twice in that window)."""
         if isinstance(model, DistributedDataParallel):
             average_grads_([p for p in model.parameters() if p.requires_grad], self.world_size,
                            self._wire_dtype(model))
