@@ -108,7 +108,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         return _run_jax(args, config, world, precision)
     micro = config.micro_batch_size
     if micro == "auto" and args.params is None:
-        micro = _probe_recipe(config)  # the choice accumix train makes here, without training
+        micro = _probe_recipe(config, world)  # the choice accumix train makes, without training
     model_or_count: torch.nn.Module | int
     if args.params is not None:
         model_or_count = _parse_count(args.params)
@@ -296,23 +296,32 @@ def _probe_jax_recipe(config: Any, optimizer: Any) -> int:
     return micro // acc.local_devices
 
 
-def _probe_recipe(config: object) -> int:
+def _probe_recipe(config: object, world: int) -> int:
     """``micro_batch_size=auto``: probes the recipe's model on this process's device as the
-    training run does (one process here; collective under ``accumix launch``), logging the same
-    line, and writes nothing to the run directory."""
+    training run does on each of ``world`` ranks: one process here, over this rank's share of the
+    global batch (its candidates are the divisors of global / world); logs and prints the line
+    the run would, for the world; writes nothing to the run directory. A sharding strategy is
+    probed unsharded here (one process), which errs on the safe side."""
+    import dataclasses
+
     import accumix as ax
+    from accumix.common.micro_batch_search import candidates
     from accumix.recipes import default
     from accumix.recipes.gpt import GPT
 
     assert isinstance(config, default.TrainConfig)
+    global_batch = config.global_batch_size
+    candidates(global_batch, world)  # a global batch the ranks do not divide: one line
     acc = ax.Accelerator(strategy=config.strategy, precision=config.precision,
-                         global_batch_size=config.global_batch_size, micro_batch_size="auto",
+                         global_batch_size=global_batch // world, micro_batch_size="auto",
                          memory_limit=config.memory_limit, seed=config.seed)
     model = GPT(config.model)
     _, _, micro = default.choose_micro_batch(acc, config, model,
                                              default.new_optimizer(config, model), cache=False)
     choice = acc.micro_batch_choice
     assert choice is not None
+    choice = dataclasses.replace(choice, dp_world_size=world, global_batch_size=global_batch,
+                                 grad_accum_steps=global_batch // (world * micro))
     print(choice.describe())  # the command's output (the log line goes to stderr)
     acc.end()
     return micro

@@ -269,7 +269,8 @@ class FSDPStrategy(Strategy):
         """Also the unsharded gradients FSDP2 keeps off the boundary (on its unsharded
         parameters, or upcast beside them), which a later boundary would reduce; and FSDP2's
         per-iteration state after a probe an error stopped mid-forward or mid-backward
-        (``reset_iter_state``: reshards, forgets the forward order; no collective)."""
+        (``reset_iter_state``: reshards, forgets the forward order; no collective), on a root
+        whose forward has run."""
         super().clear_gradients(model)
         for unit in self.probe_units(model):
             if not isinstance(unit, FSDPModule):
@@ -279,7 +280,10 @@ class FSDPStrategy(Strategy):
                     fp.unsharded_accumulated_grad = None
                     if hasattr(fp, "_unsharded_param"):
                         fp._unsharded_param.grad = None
-        if isinstance(model, FSDPModule):
+        # Only a root whose forward ran has iteration state (lazily made at its first
+        # forward): a probe stopped inside another model never ran this one, and resetting it
+        # raised FSDP's AttributeError (no all_gather_state).
+        if isinstance(model, FSDPModule) and model._get_fsdp_state()._is_root:
             model.reset_iter_state()
 
     def reduce_deferred_grads(self, model: nn.Module) -> None:

@@ -189,7 +189,8 @@ class TorchSteps:
                     acc.backward(loss)
                 else:
                     acc.backward(loss, num_items=num_items)
-            meter.add(loss, num_items, batch_samples(batch))
+            meter.add(loss, num_items,
+                      batch_samples(batch, self.train_loader.rows_of(batch)))
             trainer.dispatch("on_after_backward")
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(trainer.grad_clip or math.inf)
