@@ -30,7 +30,7 @@ from accumix.jax.memory import estimate_jax_memory
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_step
-from accumix.jax.strategies import AXIS, JaxStrategy, SingleStrategy
+from accumix.jax.strategies import JaxStrategy, SingleStrategy
 from accumix.precision.loss_scale import DynamicLossScale
 
 
@@ -74,10 +74,10 @@ def compiled_step_stats(loss_fn: LossFn, params: Any, optimizer: Any, micro_batc
     devices, k = strategy.num_devices, grad_accum_steps
     rows = jax.tree.map(lambda x: _struct(x), micro_batch)
     batch = jax.tree.map(lambda x: placed(jax.ShapeDtypeStruct(
-        (k, x.shape[0] * devices, *x.shape[1:]), x.dtype), P(None, AXIS)), rows)
+        (k, x.shape[0] * devices, *x.shape[1:]), x.dtype), strategy.rows_spec(1)), rows)
     window = Window(batch=batch, mask=placed(jax.ShapeDtypeStruct((k,), np.bool_), P()),
                     device_mask=placed(jax.ShapeDtypeStruct((k, devices), np.bool_),
-                                       P(None, AXIS)))
+                                       strategy.rows_spec(1)))
     jitted = build_step(loss_fn, optimizer=optimizer, strategy=strategy, policy=policy,
                         scaler=scaler, grad_accum_steps=k, clip_norm=clip_norm,
                         state_shardings=shardings)

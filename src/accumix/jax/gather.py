@@ -20,11 +20,13 @@ leaf's gradient where the strategy accumulates it (the custom VJP below), whatev
 forward's dtype. Only float and complex leaves pass through here (``accumix.jax.trainable``):
 
     mode                     tap shape    the gather's backward
-    default                  full leaf    acc(g)                     (reduce-scatter once a window)
+    default                  full leaf    acc(g) * weight            (reduce-scatter once a window)
     sync_each_microstep      shard        psum_scatter(acc(g) * weight)         (each micro-step)
 
-``weight`` is the device's own factor of fp16 item mode (its micro-batch's item count, by which
-its scaled gradient was divided): it must multiply before devices are summed.
+``weight`` is the device's own factor for this micro-step: fp16 item mode's item count (by which
+its scaled gradient was divided: it must multiply before devices are summed), else 1; and 0 for
+a padded micro-step (a window shorter on this process than on another): every device still
+runs the backward and its reduce-scatters, and the padded one adds zeros.
 """
 
 from __future__ import annotations
@@ -70,13 +72,13 @@ def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
 def route(g: jax.Array, weight: jax.Array, axis: str, dim: int | None,
           scatter: bool) -> jax.Array:
     """A gathered leaf's cotangent ``g`` as its accumulator tap takes it: in the tap's dtype
-    (float32, complex for complex leaves), reduce-scattered (times ``weight``) when
-    ``scatter``."""
+    (float32, complex for complex leaves), times ``weight`` (selected away where ``weight`` is
+    0: a padded micro-step's gradient, NaN or not, adds nothing), reduce-scattered over
+    ``axis`` when ``scatter`` (every device issues it, padded or not)."""
     g = g.astype(accum_dtype(g.dtype))
+    g = jnp.where(weight > 0, g * weight, jnp.zeros_like(g))
     if scatter and dim is not None:
-        g = jax.lax.psum_scatter(g * weight, axis, scatter_dimension=dim, tiled=True)
-    elif scatter:  # a replicated leaf: summed over devices after the scan, like the others
-        g = g * weight
+        g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
     return g
 
 
