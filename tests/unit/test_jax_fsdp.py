@@ -231,13 +231,13 @@ def test_every_kind_of_use_equals_ddp_in_both_modes() -> None:
 
 
 def test_the_ordering_zero_keeps_every_parameter_bit() -> None:
-    """``per_use._after`` ties a shard to an anchor by subtracting a zero derived from it: the
+    """``ordering.after`` ties a shard to an anchor by subtracting a zero derived from it: the
     shard must come back bit for bit (-0 stays -0, inf and NaN stay) whatever the anchor holds,
     an integer at its minimum included (token ids, quantized values: abs(int32 min) overflows
     to a negative number, whose product with 0 was -0, and -0 - (-0) is +0)."""
     import numpy as np
 
-    from accumix.jax.per_use import _after
+    from accumix.jax.ordering import after
     jnp = jax.numpy
     shard = np.array([-0.0, 0.0, -1.5, np.inf, -np.inf, np.nan], np.float32)
     anchors = [np.array([np.iinfo(np.int32).min, 3], np.int32), np.array([-128], np.int8),
@@ -246,7 +246,7 @@ def test_the_ordering_zero_keeps_every_parameter_bit() -> None:
                np.array([3 + 4j], np.complex64)]
     for anchor in anchors:
         for dtype in (jnp.float32, jnp.bfloat16):
-            out = jax.jit(_after)([jnp.asarray(shard, dtype)], [jnp.asarray(anchor)])[0]
+            out = jax.jit(after)([jnp.asarray(shard, dtype)], [jnp.asarray(anchor)])[0]
             want = np.asarray(jnp.asarray(shard, dtype)).view(np.uint8)
             assert (np.asarray(out).view(np.uint8) == want).all(), (anchor, dtype, out)
 

@@ -23,10 +23,14 @@ forward's dtype. Only float and complex leaves pass through here (``accumix.jax.
     default                  full leaf    acc(g) * weight            (reduce-scatter once a window)
     sync_each_microstep      shard        psum_scatter(acc(g) * weight)         (each micro-step)
 
-``weight`` is the device's own factor for this micro-step: fp16 item mode's item count (by which
-its scaled gradient was divided: it must multiply before devices are summed), else 1; and 0 for
-a padded micro-step (a window shorter on this process than on another): every device still
-runs the backward and its reduce-scatters, and the padded one adds zeros.
+The tap's value is the accumulator itself (nothing in the forward reads it): the step takes the
+taps' cotangent as the new accumulator (``into_accumulators`` adds the old one; a scan over
+stacked layers adds each iteration's gradient into it in place, ``scan_accumulate``).
+
+``weight`` is the device's own factor of fp16 item mode (its micro-batch's item count, by which
+its scaled gradient was divided): it must multiply before devices are summed. A device whose
+micro-step is padding still runs this backward (its peers' reduce-scatters need it) with a
+zero loss seed: its ``g`` is exactly 0 (``accumix.jax.step``).
 """
 
 from __future__ import annotations
@@ -72,14 +76,36 @@ def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
 def route(g: jax.Array, weight: jax.Array, axis: str, dim: int | None,
           scatter: bool) -> jax.Array:
     """A gathered leaf's cotangent ``g`` as its accumulator tap takes it: in the tap's dtype
-    (float32, complex for complex leaves), times ``weight`` (selected away where ``weight`` is
-    0: a padded micro-step's gradient, NaN or not, adds nothing), reduce-scattered over
-    ``axis`` when ``scatter`` (every device issues it, padded or not)."""
-    g = g.astype(accum_dtype(g.dtype))
-    g = jnp.where(weight > 0, g * weight, jnp.zeros_like(g))
+    (float32, complex for complex leaves), times ``weight``, reduce-scattered over ``axis``
+    when ``scatter``."""
+    g = g.astype(accum_dtype(g.dtype)) * weight
     if scatter and dim is not None:
         g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
     return g
+
+
+@jax.custom_vjp
+def into_accumulators(loss: jax.Array, taps: list[jax.Array]) -> jax.Array:
+    """``loss``, unchanged; in the backward, each tap's cotangent receives the tap's value.
+
+    The taps hold the accumulators (fsdp): with this, a tap's cotangent is its accumulator
+    plus the micro-step's gradient, added where the backward yields it, so the micro-step's
+    result is the new accumulator. (A cotangent channel, not a derivative: ``loss`` is the
+    objective whose gradient is taken, with a unit seed.)
+    """
+    del taps
+    return loss
+
+
+def _into_fwd(loss: jax.Array, taps: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+    return loss, taps
+
+
+def _into_bwd(taps: list[jax.Array], g: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    return g, list(taps)
+
+
+into_accumulators.defvjp(_into_fwd, _into_bwd)
 
 
 gather_at_use.defvjp(_gather_fwd, _gather_bwd)

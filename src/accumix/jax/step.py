@@ -101,51 +101,59 @@ def build_step(
         _, items0, aux0 = form.split(jax.eval_shape(loss_fn, shapes, first, key))
         item_mode, n_dtype = form.item_mode, count_dtype(items0)
         # fp16 item mode divides each device's gradient by its own item count (below); a
-        # strategy whose backward routes the gradient (fsdp: into its accumulator, or summed
-        # over devices) multiplies it back there.
-        weigh_in_backward = scaled and item_mode and strategy.weighs_in_backward
+        # strategy that sums devices inside the backward must multiply it back there first.
+        absolute = strategy.accumulates_in_backward  # the taps' cotangent: the accumulator
+        weigh_in_backward = scaled and item_mode and (strategy.reduces_each_microstep
+                                                      or absolute)
 
-        def objective(p: Any, micro: Any, k: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
+        def objective(p: Any, micro: Any, k: jax.Array, live: jax.Array
+                      ) -> tuple[jax.Array, tuple[Any, ...]]:
             loss, items, aux = form.split(loss_fn(p, micro, k))
             loss = loss.astype(jnp.float32)
             items = jnp.asarray(items if item_mode else 1, n_dtype)
             # fp16 item mode: a summed loss x 65536 overflows; scale the sum by 1/n here and by
             # n in float32 below (the torch side divides by an items hint for the same reason).
             per = jnp.maximum(items, 1).astype(jnp.float32) if (scaled and item_mode) else 1.0
-            return loss * (scale / per), (loss, items, aux, per)
+            return loss * (scale / per) * live, (loss, items, aux, per)
 
         zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), target)
         zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), aux0)
 
         def micro_step(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, None]:
-            index, micro, valid, anyone = xs
+            index, given, valid, anyone = xs
 
             g_acc, l_acc, n_acc, a_acc = carry
 
             # The gradients are added into the accumulators inside the branch, leaf by leaf as
             # the backward yields them, not returned whole first (a second full set, alive).
-            # A device whose own micro-batch is padding computes it too when another device's
-            # is real (collectives in the backward must be issued by every device alike) and
-            # adds nothing: selected away (its loss on zeros may be NaN), never multiplied.
             def compute(g_acc: Any) -> tuple[Any, ...]:
                 k = jax.random.fold_in(jax.random.fold_in(key, index), device)
+                # A device whose micro-batch is padding (its process passed a shorter window)
+                # runs this micro-step too when another device's is real: the collectives in
+                # the backward (fsdp's gathers, sync's reduce-scatters) must be issued by every
+                # device alike. It recomputes its own micro-batch 0 (always real: finite
+                # wherever the real micro-step is, where zeros of padding could give 0/0) with
+                # a zero loss seed, so every gradient it adds, before or after a sum over
+                # devices, is exactly 0; the sums below select it away.
+                live = valid.astype(jnp.float32)
+                micro = jax.tree.map(lambda x, x0: jnp.where(valid, x, x0), given, first)
                 weight = one
                 if weigh_in_backward:  # the count alone: XLA drops the rest of this forward
                     items = form.split(loss_fn(use(weights, target, one), micro, k))[1]
                     weight = jnp.maximum(jnp.asarray(items, jnp.float32), 1.0)
-                weight = jnp.where(valid, weight, 0.0)  # 0: a padded micro-step adds nothing
 
                 def at_use(t: Any, shards: Any) -> tuple[jax.Array, tuple[Any, ...]]:
                     return strategy.call_at_use(
-                        lambda p: objective(trainable.merge(p, carried), micro, k),
+                        lambda p: objective(trainable.merge(p, carried), micro, k, live),
                         shards, t, train_specs, weight)
 
-                grad, (loss, items, aux, per) = jax.grad(at_use, has_aux=True)(target, weights)
+                grad, (loss, items, aux, per) = jax.grad(at_use, has_aux=True)(
+                    g_acc if absolute else target, weights)
 
                 def add(a: jax.Array, g: jax.Array) -> jax.Array:
+                    if absolute:  # the new accumulator: a padded micro-step added its zeros
+                        return g
                     g = g.astype(accum_dtype(g.dtype))
-                    if strategy.weighs_in_backward:  # weighed and masked there, before any
-                        return a + g                 # sum over devices (sync's scatter)
                     return a + jnp.where(valid, g * per, 0)
                 g_acc = jax.tree.map(add, g_acc, grad)
                 aux = jax.tree.map(lambda a: jnp.where(valid, jnp.asarray(a, jnp.float32), 0),

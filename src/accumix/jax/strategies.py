@@ -25,7 +25,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
-from accumix.jax.gather import gather_at_use
+from accumix.jax.gather import gather_at_use, into_accumulators
+from accumix.jax.ordering import after
 from accumix.jax.per_use import Leaf, call_at_use
 from accumix.jax.trainable import accum_dtype
 
@@ -116,9 +117,9 @@ class JaxStrategy:
     # A micro-step differentiates ``grad_target(local)`` and hands ``loss_fn``
     # ``params_at_use(local, target)`` through ``call_at_use``; its gradient is what accumulates.
     reduces_each_microstep = False
-    # Whether gradients pass through the strategy's own backward (fsdp's gathers), where a
-    # device's factor (``weight``: fp16 item mode's count, 0 for a padded micro-step) applies.
-    weighs_in_backward = False
+    # Whether the target's value is the accumulator and the gradient of ``call_at_use`` with
+    # respect to it the new accumulator (fsdp), rather than this micro-step's gradient.
+    accumulates_in_backward = False
 
     def grad_target(self, local: Any, specs: Any) -> Any:
         """What a micro-step differentiates: here the (replicated) params themselves."""
@@ -144,14 +145,40 @@ class JaxStrategy:
     def reduce_grads(self, grads: Any, specs: Any) -> Any:
         """The one reduction of the window's summed gradients: to the params' placement."""
         rest = tuple(a for a in self.data_axes if a != self.shard_axis)
-
-        def reduce(g: jax.Array, spec: P) -> jax.Array:
+        flat, tree = jax.tree.flatten(grads)
+        out, previous = [], None
+        for g, spec in zip(flat, tree.flatten_up_to(specs), strict=True):
             dim = _axis_dim(spec, self.shard_axis)
             if dim is None:
-                return jax.lax.psum(g, self.data_axes)
-            g = jax.lax.psum_scatter(g, self.shard_axis, scatter_dimension=dim, tiled=True)
-            return jax.lax.psum(g, rest) if rest else g
-        return jax.tree.map(reduce, grads, specs)
+                out.append(jax.lax.psum(g, self.data_axes))
+                continue
+            g, previous = scatter_in_turn(g, self.shard_axis, dim, previous)
+            out.append(jax.lax.psum(g, rest) if rest else g)
+        return tree.unflatten(out)
+
+
+def scatter_in_turn(g: jax.Array, axis: str, dim: int, previous: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array | None]:
+    """``psum_scatter(g, axis, dim)`` and the last array it scattered (the next one's anchor).
+
+    XLA's CPU reduce-scatter wants the split dimension outermost: a leaf split on a later
+    dimension is first copied whole into that layout, and the scheduler made every such copy
+    before the first reduce-scatter (measured: a second full float32 stack of a scanned
+    layer's accumulator, 8 MiB for 8 layers of 512x512). Such a leaf is scattered after the
+    previous one (``ordering.after``), a stack (3 or more dimensions) one slice of its first
+    dimension at a time: one layer's copy at most is alive.
+    """
+    if dim == 0:  # the accumulator itself is the reduce-scatter's operand: no copy
+        return jax.lax.psum_scatter(g, axis, scatter_dimension=0, tiled=True), previous
+    pieces = [g[i] for i in range(g.shape[0])] if g.ndim >= 3 else [g]
+    piece_dim = dim - 1 if g.ndim >= 3 else dim
+    out = []
+    for piece in pieces:
+        if previous is not None:
+            piece = after([piece], [previous])[0]
+        previous = jax.lax.psum_scatter(piece, axis, scatter_dimension=piece_dim, tiled=True)
+        out.append(previous)
+    return (jnp.stack(out) if g.ndim >= 3 else out[0]), previous
 
 
 def _axis_dim(spec: P, axis: str) -> int | None:
@@ -208,6 +235,7 @@ class FSDPStrategy(JaxStrategy):
     name = "fsdp"
     shards_params = True
     shards_optimizer = True
+    accumulates_in_backward = True
 
     def __init__(self, devices: list[Any] | None = None, *,
                  sync_each_microstep: bool = False) -> None:
@@ -217,8 +245,6 @@ class FSDPStrategy(JaxStrategy):
         super().__init__(devices)
         self.sync_each_microstep = sync_each_microstep
         self.reduces_each_microstep = sync_each_microstep
-
-    weighs_in_backward = True
 
     def __repr__(self) -> str:
         return f"FSDPStrategy(sync_each_microstep={self.sync_each_microstep})"
@@ -242,7 +268,9 @@ class FSDPStrategy(JaxStrategy):
 
     def call_at_use(self, fn: Any, local: Any, target: Any, specs: Any,
                     weight: jax.Array) -> Any:
-        """``fn`` with each sharded leaf gathered at each use in its jaxpr (``per_use``)."""
+        """``fn`` with each sharded leaf gathered at each use in its jaxpr (``per_use``);
+        ``target`` holds the accumulators, and its cotangent is them plus this micro-step's
+        gradient (``fn`` returns ``(objective, aux)``)."""
         flat, tree = jax.tree.flatten(local)
         taps = tree.flatten_up_to(target)
         dims = [_axis_dim(s, self.shard_axis) for s in tree.flatten_up_to(specs)]
@@ -256,8 +284,13 @@ class FSDPStrategy(JaxStrategy):
             shape[dim] *= self.mesh.shape[self.shard_axis]
             leaves[i] = Leaf(x, tap, dim)
             values.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
-        return call_at_use(fn, tree.unflatten(values), leaves, weight=weight,
-                           axis=self.shard_axis, scatter=self.sync_each_microstep)
+        accumulated: set[int] = set()
+        objective, aux = call_at_use(fn, tree.unflatten(values), leaves, weight=weight,
+                                     axis=self.shard_axis, scatter=self.sync_each_microstep,
+                                     accumulated=accumulated)
+        # The other leaves' accumulators join their gradient at the end of the backward.
+        rest = [tap for i, tap in enumerate(taps) if i not in accumulated]
+        return into_accumulators(objective, rest), aux
 
     def reduce_grads(self, grads: Any, specs: Any) -> Any:
         if not self.sync_each_microstep:
