@@ -7,8 +7,9 @@ Prints one JSON object: ``{"<strategy>/<precision>/<layers>": {"measured": bytes
 bytes}}`` (arguments + temporaries per device). Layers of 512x512 float32 (plus a bias), tanh,
 Adam, K=16, 8 rows per device; a job ending in ``/scan`` stacks the layers and scans them.
 A job ending in ``/gpt`` (``/gpt-scan``: its blocks under ``nn.scan``) is the flax GPT of
-``tests/scripts/jax_gpt.py`` instead (d=256, T=64, Adam, K=4, 8 rows per device); its "model"
-counts no activations.
+``tests/scripts/jax_gpt.py`` instead (d=256, T=64, Adam, K=4, 2 rows per device); its "model"
+counts no activations. Strategy ``plain`` measures what plain JAX keeps for one micro-batch's
+backward (``plain_activations``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def strategy(word: str):
     return axj.FSDPStrategy(sync_each_microstep=True) if word == "fsdp-sync" else word
 
 
-GPT_K, GPT_ROWS = 4, 8
+GPT_K, GPT_ROWS = 4, 2
 
 
 def job_of(layers: int, kind: str = "") -> tuple[Any, Any, Any, int]:
@@ -79,9 +80,23 @@ def job_of(layers: int, kind: str = "") -> tuple[Any, Any, Any, int]:
     return params(layers, scan), make_loss(layers, scan), micro, K
 
 
+def plain_activations(layers: int, kind: str) -> int:
+    """What plain JAX keeps for one micro-batch's backward: the temporaries of
+    ``jit(grad(loss_fn))`` on one device for one device's rows (the params are its arguments,
+    the gradients its outputs)."""
+    p, loss_fn, micro, _ = job_of(layers, kind)
+    rows = micro(GPT_ROWS if kind.startswith("gpt") else ROWS)
+    grad = jax.jit(jax.grad(lambda q: loss_fn(q, rows, jax.random.key(0))))
+    return int(grad.lower(jax.tree.map(jnp.asarray, p)).compile().memory_analysis()
+               .temp_size_in_bytes)
+
+
 def measure(word: str, precision: str, layers: int, kind: str = "") -> dict[str, int]:
     """Arguments + temporaries of the compiled step per device, and the model's total (of
-    the unstacked layers: the model does not know a scan gathers one slice at a time)."""
+    the unstacked layers: the model does not know a scan gathers one slice at a time).
+    ``word`` "plain": ``plain_activations`` (the model's total is 0)."""
+    if word == "plain":
+        return {"measured": plain_activations(layers, kind), "model": 0}
     p, loss_fn, micro, k = job_of(layers, kind)
     acc = axj.Accelerator(strategy=strategy(word), precision=precision, grad_accum_steps=k)
     state = acc.setup(p, optax.adam(1e-3))
@@ -90,8 +105,10 @@ def measure(word: str, precision: str, layers: int, kind: str = "") -> dict[str,
     window = acc.window([micro(rows) for _ in range(k)])
     stats = step.lower(state, window).compile().memory_analysis()
     window_bytes = sum(x.nbytes for x in jax.tree.leaves(window.batch))
+    unstacked = p if kind == "gpt" else params(layers) if kind in ("", "scan") else (
+        job_of(layers, "gpt")[0])
     model = {e.strategy: e for e in estimate_jax_memory(
-        params(layers) if kind in ("", "scan") else p, optax.adam(1e-3),
+        unstacked, optax.adam(1e-3),
         num_devices=len(jax.devices()), precision=precision,
         platform=jax.devices()[0].platform, window_bytes=window_bytes)}[word]
     return {"measured": int(stats.argument_size_in_bytes + stats.temp_size_in_bytes),

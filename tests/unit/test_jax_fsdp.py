@@ -130,7 +130,11 @@ def test_fsdp_memory_on_4_devices() -> None:
     jobs += [f"{s}/{p}/2" for p in ("bf16-mixed", "fp16-mixed", "bf16-true")
              for s in ("zero1", "fsdp")]
     jobs += ["ddp/fp32/16", "fsdp/fp32/16", "fsdp-sync/fp32/16"]
-    jobs += ["ddp/fp32/8/scan", "fsdp-sync/fp32/8/scan"]  # the layers stacked and scanned
+    jobs += ["ddp/fp32/8/scan", "fsdp/fp32/8/scan", "fsdp-sync/fp32/8/scan"]  # stacked, scanned
+    # Issue 30: the flax GPT (d=256, T=64, 2 rows per device, K=4), unrolled and under nn.scan,
+    # and what plain JAX keeps for one micro-batch's backward (its activations).
+    jobs += [f"{s}/fp32/8/gpt" for s in ("ddp", "fsdp", "fsdp-sync", "plain")]
+    jobs += [f"{s}/fp32/8/gpt-scan" for s in ("ddp", "fsdp", "plain")]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     done = subprocess.run([sys.executable, "tests/scripts/jax_fsdp_memory.py", *jobs],
@@ -138,8 +142,8 @@ def test_fsdp_memory_on_4_devices() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for name, row in got.items():  # the model counts a stacked leaf as gathered whole
-        assert name.endswith("/scan") or abs(row["model"] / row["measured"] - 1) < 0.10, (
-            name, row)
+        assert name.endswith(("/scan", "gpt", "gpt-scan")) or abs(
+            row["model"] / row["measured"] - 1) < 0.10, (name, row)
     ddp = got["ddp/fp32/8"]["measured"]
     # Gathered for the window: fsdp 0.75x of ddp; gathered at use under one checkpoint (every
     # re-gather merged with the forward's): 0.58x and 0.41x; gathered at each use (per_use.py):
@@ -155,10 +159,40 @@ def test_fsdp_memory_on_4_devices() -> None:
         state = 8 * (n + accumulators + 2 * n)  # params n/4 x 4 B, Adam 2 x n/4 x 4 B
         growth = got[f"{mode}/fp32/16"]["measured"] - got[f"{mode}/fp32/8"]["measured"]
         assert growth <= state + activations, (mode, growth, state, got)
-    # Scanned layers: each slice gathered per iteration inside the body (0.36x); gathered
-    # whole for the scan, as before per_use.scan, sync held 0.83x.
+    # Scanned layers: each slice gathered per iteration inside the body (sync 0.36x; gathered
+    # whole for the scan, as before per_use.scan, 0.83x). The default mode held 0.65x: the
+    # scan's backward stacked every iteration's gradient (a second full float32 stack) and
+    # the reduce-scatter copied the stack whole into its layout; now each iteration's
+    # gradient joins its accumulator slice in the scan's backward and the stack is scattered
+    # slice by slice: 0.43x, sync 0.27x.
     scan_ddp = got["ddp/fp32/8/scan"]["measured"]
-    assert got["fsdp-sync/fp32/8/scan"]["measured"] <= 0.40 * scan_ddp, got
+    assert got["fsdp/fp32/8/scan"]["measured"] <= 0.50 * scan_ddp, got
+    assert got["fsdp-sync/fp32/8/scan"]["measured"] <= 0.30 * scan_ddp, got
+    _assert_the_gpt_at_its_floor(got)
+
+
+def _assert_the_gpt_at_its_floor(got: dict) -> None:
+    """Issue 30, on the flax GPT (8 layers, 2 rows per device): fsdp held 0.58x of ddp, sync
+    0.45x (0.60x and 0.49x at 2 layers), scanned 0.66x and 0.45x. Where it goes: ddp's peak
+    is its update (params, Adam, two float32 gradient sets: its activations are dead by then),
+    fsdp's is the start of the backward, where every layer's activations are alive beside
+    the sharded state (and the full-size accumulators of the default mode). So fsdp's floor
+    is its modelled state plus what plain JAX keeps for one micro-batch's backward; measured,
+    that floor is above the issue's targets (0.50x, 0.35x), and fsdp is now within 6% of
+    ddp's bytes of it (was 9% unrolled, 14% scanned: a copy of each shard saved per use, the
+    stacked scan gradients)."""
+    ddp = got["ddp/fp32/8/gpt"]["measured"]
+    plain = got["plain/fp32/8/gpt"]["measured"]
+    for mode, target, now in (("fsdp", 0.50, 0.56), ("fsdp-sync", 0.35, 0.43)):
+        row = got[f"{mode}/fp32/8/gpt"]
+        floor = row["model"] + plain
+        assert floor > target * ddp, (mode, floor / ddp, got)  # the target is below the floor
+        assert row["measured"] <= now * ddp, (mode, row["measured"] / ddp, got)
+        assert row["measured"] - floor <= 0.06 * ddp, (mode, (row["measured"] - floor) / ddp)
+    scan_ddp, scan = got["ddp/fp32/8/gpt-scan"]["measured"], got["fsdp/fp32/8/gpt-scan"]
+    floor = scan["model"] + got["plain/fp32/8/gpt-scan"]["measured"]  # a scan keeps more
+    assert floor > 0.50 * scan_ddp and scan["measured"] <= 0.54 * scan_ddp, (floor, got)
+    assert scan["measured"] - floor <= 0.03 * scan_ddp, (scan, floor, scan_ddp)
 
 
 def test_estimate_memory_sizes_the_jax_strategies(capsys) -> None:

@@ -54,14 +54,14 @@ def gather_at_use(shard: jax.Array, tap: jax.Array, weight: jax.Array, axis: str
     del tap, weight
     if dim is None:
         return shard
-    return jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
+    return gather_leading(shard, axis, dim)
 
 
 def _gather_fwd(shard: jax.Array, tap: jax.Array, weight: jax.Array, axis: str,
                 dim: int | None, scatter: bool) -> tuple[jax.Array, jax.Array]:
     if dim is None:
         return shard, weight
-    return jax.lax.all_gather(shard, axis, axis=dim, tiled=True), weight
+    return gather_leading(shard, axis, dim), weight
 
 
 def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
@@ -71,6 +71,17 @@ def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
         shape[dim] //= jax.lax.axis_size(axis)
     zero_shard = jnp.zeros(shape, g.dtype)  # the shard is not differentiated: the tap is
     return zero_shard, route(g, weight, axis, dim, scatter), jnp.zeros_like(weight)
+
+
+def gather_leading(shard: jax.Array, axis: str, dim: int) -> jax.Array:
+    """``all_gather(shard, axis, dim, tiled)`` gathered on the leading dimension: XLA's CPU
+    all-gather wants the gathered dimension outermost and otherwise copies every such shard
+    into that layout before the micro-step loop (a copy of those shards alive for the whole
+    window); the transpose here is one use's, inside the loop."""
+    if dim == 0:
+        return jax.lax.all_gather(shard, axis, axis=0, tiled=True)
+    moved = jax.lax.all_gather(jnp.moveaxis(shard, dim, 0), axis, axis=0, tiled=True)
+    return jnp.moveaxis(moved, 0, dim)
 
 
 def route(g: jax.Array, weight: jax.Array, axis: str, dim: int | None,

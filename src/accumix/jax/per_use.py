@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from accumix.jax.gather import gather_at_use, route
+from accumix.jax.gather import gather_at_use, gather_leading, route
 from accumix.jax.ordering import after
 from accumix.jax.scan_accumulate import scan_into_accumulators
 
@@ -219,8 +219,7 @@ class _Run:
         axis = self.axis
 
         def gather(shards: list[jax.Array]) -> list[jax.Array]:
-            return [jax.lax.all_gather(_apply_chain(r.chain[:n], s), axis, axis=leaf.dim,
-                                       tiled=True)
+            return [gather_leading(_apply_chain(r.chain[:n], s), axis, leaf.dim)
                     for s, r, n, leaf in zip(shards, refs, pres, leaves, strict=True)]
 
         def apply(fulls: list[jax.Array], rest: list[Any]) -> list[Any]:

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
-from accumix.jax.gather import gather_at_use, into_accumulators
+from accumix.jax.gather import gather_at_use, gather_leading, into_accumulators
 from accumix.jax.ordering import after
 from accumix.jax.per_use import Leaf, call_at_use
 from accumix.jax.trainable import accum_dtype
@@ -138,8 +138,7 @@ class JaxStrategy:
         """The full params from this device's shards (fsdp); identity where replicated."""
         def gather(x: jax.Array, spec: P) -> jax.Array:
             dim = _axis_dim(spec, self.shard_axis)
-            return x if dim is None else jax.lax.all_gather(x, self.shard_axis, axis=dim,
-                                                            tiled=True)
+            return x if dim is None else gather_leading(x, self.shard_axis, dim)
         return jax.tree.map(gather, local, specs)
 
     def reduce_grads(self, grads: Any, specs: Any) -> Any:
