@@ -22,7 +22,10 @@ Per layer: equations at the top level of ``loss_fn`` and inside ``jax.jit``/``cl
 ``jax.checkpoint`` calls (inlined; a user's checkpoint around a block is dropped when a sharded
 parameter flows into it), and inside a ``lax.scan`` over stacked layers: a stacked leaf that
 the scan takes as an ``xs`` (sharded on another axis than the stacking one) is sliced, shard
-and accumulator tap alike, and each slice gathered at its uses in the body, per iteration.
+and accumulator tap alike, and each slice gathered at its uses in the body, per iteration;
+the scan's backward adds each iteration's gradient into its accumulator slice
+(``accumix.jax.scan_accumulate``; the leaves it did so for are ``call_at_use``'s
+``accumulated``).
 Not per layer: a parameter that a scan takes as a constant or carry (or sharded on the
 stacking axis) is gathered whole before the scan (its other, stacked params still per
 iteration; a scan with none is one use, as below); a parameter that a ``while``/``cond`` body

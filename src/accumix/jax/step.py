@@ -2,11 +2,14 @@
 
     params_c = cast(params)                      # once per window, outside the scan
     shard_map over the "data" axis (each device its rows and its column of the mask):
-        full = gather(params_c)                  # fsdp only
-        scan over the K micro-batches:           # masked ones (a short window) cost a cond
-            g_i = grad(scale * loss_i)           # float leaves only; integer leaves, keys carried
+        scan over the K micro-batches:           # skipped where no device has one (a cond
+                                                 #   on a global flag: the same collectives)
+            g_i = grad(scale * loss_i * valid)   # float leaves only; integer leaves, keys carried;
+                                                 #   a padded device: its micro-batch 0, seed 0
             acc += float32(g_i)                  # (complex64 for complex params); item mode in
                                                  #   fp16: scale * loss_sum_i / n_i, then x n_i
+                                                 #   (fsdp: gathered at each use, and the backward
+                                                 #   adds into acc itself, accumix.jax.gather)
         grads = psum | psum_scatter(acc)         # ONE reduction per window, after the scan
     grads /= scale * (N items | valid micro-steps over devices)   # one division, at the end
                                                  # (no items: zero gradients, not 0/0)
