@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _common import machine_line, markdown_table
-from accumix.micro_batch_search import candidates
+from accumix.common.micro_batch_search import candidates
 
 
 class InjectedOOM(nn.Module):

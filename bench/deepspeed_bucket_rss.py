@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import accumix as ax
-from accumix.micro_batch_probe import measure
+from accumix.memory.micro_batch_probe import measure
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(n, 6), torch.randn(n, 1)
 
-    probed = measure(acc, step, make, 4).growth
+    probed = measure(acc._run, step, make, 4).growth
     gc.collect()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with acc.accumulate():

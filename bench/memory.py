@@ -1,4 +1,5 @@
-"""Per-rank bytes of parameters, gradients and optimizer states, measured, next to accumix.memory.
+"""Per-rank bytes of parameters, gradients and optimizer states, measured, next to
+accumix.memory.model.
 
     python bench/memory.py                        # width 256, 4 blocks, Adam, fp32, 2 ranks
     python bench/memory.py --width 32 --blocks 2 --rows ddp,zero1,fsdp-full   # a smoke run
@@ -16,8 +17,8 @@ DeepSpeed is installed. Each rank measures what it holds, counting every tensor 
 * optimizer: after the step, the optimizer's state tensors, plus any tensor it steps that is
   not a model parameter (a master copy, DeepSpeed's flat fp32 partition).
 
-``accumix.memory.estimate_memory`` predicts the same three numbers (ZeRO's formulas); the table
-shows measured / predicted. The larger rank's bytes are shown (shards can differ by padding).
+``accumix.memory.model.estimate_memory`` predicts the same three numbers (ZeRO's formulas); the
+table shows measured / predicted. The larger rank's bytes are shown (shards can differ by padding).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 import accumix as ax
 from _common import machine_line, markdown_table
-from accumix.memory import estimate_memory
+from accumix.memory.model import estimate_memory
 from accumix.testing import ResidualBlock as Block
 from accumix.testing import spawn
 
@@ -162,7 +163,7 @@ def main() -> None:
     n = sum(p.numel() for p in model.parameters())
     print(machine_line("2 ranks, gloo"))
     print(f"model: {n:,} parameters ({args.blocks} blocks of width {args.width}), Adam, fp32, "
-          "world size 2; KiB per rank, measured vs accumix.memory's prediction\n")
+          "world size 2; KiB per rank, measured vs accumix.memory.model's prediction\n")
     headers = ["strategy", "params KiB", "predicted", "ratio", "grads KiB", "predicted",
                "ratio", "optimizer KiB", "predicted", "ratio", "note"]
     if not any(row[-1] for row in table):  # the note only says why a row could not run

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from _common import machine_line, markdown_table, median
-from accumix.data import AcceleratedDataLoader
+from accumix.data.loader import AcceleratedDataLoader
 
 
 class Cifarish(Dataset):

@@ -32,6 +32,7 @@ _LAZY = {
     "Strategy": "accumix.strategies",
     "DeepSpeedStrategy": "accumix.strategies.deepspeed",  # imports deepspeed only when built
     "FSDPStrategy": "accumix.strategies.fsdp",
+    "HSDPStrategy": "accumix.strategies.hsdp",
     "ZeRO1Strategy": "accumix.strategies.zero1",
 }
 # The Trainer layer (tqdm, loggers): imported on first use too.
@@ -60,6 +61,7 @@ __all__ = [
     "DeepSpeedStrategy",
     "DynamicLossScale",
     "FSDPStrategy",
+    "HSDPStrategy",
     "LossScaleError",
     "NoLossScale",
     "Policy",

@@ -28,34 +28,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from accumix import (
-    accum_steps,
-    boundary,
-    checkpoint,
-    fault,
-    lifecycle,
-    micro_step,
-    model_file,
-    object_setup,
-    oom_split,
-)
-from accumix.accumulation import AccumulationWindow
-from accumix.compile import CompileSetting, resolve_compile, strip_compiled
-from accumix.data import AcceleratedDataLoader
-from accumix.env import detect_launch_env, init_process_group, pick_device, seed_everything
-from accumix.errors import ConfigError
-from accumix.logging_setup import configure_logging
-from accumix.micro_batch_search import (
+from accumix.checkpoint import model_file
+from accumix.checkpoint import save_load as checkpoint
+from accumix.common.launch_env import LaunchEnv
+from accumix.common.micro_batch_search import (
     DEFAULT_HEADROOM,
     MicroBatchChoice,
     check_micro_batch_word,
     is_auto,
     parse_memory_limit,
 )
-from accumix.optim import AcceleratedOptimizer, AcceleratedScheduler
-from accumix.peak_memory import device_total_bytes
+from accumix.errors import ConfigError
+from accumix.memory import oom_split
+from accumix.memory.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.precision.loss_scale import check_loss_scale_use
+from accumix.runtime import fault
+from accumix.runtime.env import detect_launch_env, init_process_group, pick_device, seed_everything
+from accumix.runtime.logging_setup import configure_logging
+from accumix.step import accum_steps, boundary, lifecycle, micro_step, object_setup
+from accumix.step.accumulation import AccumulationWindow
+from accumix.step.compile import CompileSetting, resolve_compile, unwrap
+from accumix.step.run_state import RunState
 from accumix.strategies import Strategy, resolve_strategy
 
 
@@ -102,70 +96,93 @@ class Accelerator:
     ) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout={timeout!r} is invalid; use seconds > 0")
-        self._compile = resolve_compile(compile)
-        self.launch = detect_launch_env()
-        configure_logging(self.launch.rank)
-        self.device = pick_device(self.launch)
-        init_process_group(self.launch, self.device, timeout)
-        self.policy = resolve_policy(precision, self.device)
-        check_loss_scale_use(loss_scale, precision=precision, chosen=self.policy.name,
-                             scales=self.policy.needs_loss_scaling)
+        compile_setting = resolve_compile(compile)
+        launch = detect_launch_env()
+        configure_logging(launch.rank)
+        device = pick_device(launch)
+        init_process_group(launch, device, timeout)
+        policy = resolve_policy(precision, device)
+        check_loss_scale_use(loss_scale, precision=precision, chosen=policy.name,
+                             scales=policy.needs_loss_scaling)
         scaler: DynamicLossScale | NoLossScale = NoLossScale()
-        if self.policy.needs_loss_scaling:
+        if policy.needs_loss_scaling:
             scaler = loss_scale or DynamicLossScale()
-        self.strategy = resolve_strategy(strategy, self.launch)
-        # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
-        self._auto_strategy = strategy == "auto" and self.launch.world_size > 1
-        self.strategy.connect(
-            launch=self.launch, device=self.device, policy=self.policy, scaler=scaler
-        )
+        chosen = resolve_strategy(strategy, launch)
+        chosen.connect(launch=launch, device=device, policy=policy, scaler=scaler)
         check_micro_batch_word(micro_batch_size, global_batch_size)
-        self._memory_limit = parse_memory_limit(memory_limit, device_total=device_total_bytes(
-            self.device, local_world_size=self.launch.local_world_size))
-        self._batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
-        steps = accum_steps.derive(self, None if is_auto(micro_batch_size) else micro_batch_size)
-        self._window = AccumulationWindow(steps or 1)
-        self._steps_known = steps is not None
-        self._steps_assigned = False
-        self.seed = seed
+        memory_limit = parse_memory_limit(memory_limit, device_total=device_total_bytes(
+            device, local_world_size=launch.local_world_size))
+        batch_sizes = (grad_accum_steps, global_batch_size, micro_batch_size)
+        steps = accum_steps.derive_from(batch_sizes, chosen.dp_world_size,
+                                        None if is_auto(micro_batch_size) else micro_batch_size)
+        # All of the run's mutable state, in one object the pieces take (step/run_state.py).
+        self._run = run = RunState(
+            launch=launch, device=device, policy=policy, strategy=chosen,
+            compile=compile_setting, seed=seed, memory_limit=memory_limit,
+            # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
+            auto_strategy=strategy == "auto" and launch.world_size > 1,
+            batch_sizes=batch_sizes, window=AccumulationWindow(steps or 1),
+            steps_known=steps is not None,
+        )
         if seed is not None:
             seed_everything(seed)
-        self._models: list[nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._loaders: list[AcceleratedDataLoader] = []
-        self._preemption: fault.PreemptionHandler | None = None
-        self._watchdog = fault.start_watchdog(self, timeout)
-        self._set_up: set[int] = set()
-        self._in_micro_step = False
-        self._micro_step = micro_step._MicroStep(self, ())
-        self._micro_step_models: tuple[nn.Module, ...] = ()  # accumulate()'s (): every model
-        self._step = boundary.StepRecord()
-        self.optimizer_steps = 0
-        self.step_was_skipped = False
-        self._micro_batch_choice: MicroBatchChoice | None = None
-        lifecycle.check_same_config(self)
+        run.watchdog = fault.start_watchdog(run, timeout)
+        self._micro_step = micro_step._MicroStep(run, ())  # accumulate()'s common context
+        lifecycle.check_same_config(run)
 
     # -- read-only state ---------------------------------------------------------------------
     @property
+    def launch(self) -> LaunchEnv:
+        """Who this process is in the job (rank, world, local rank, master address)."""
+        return self._run.launch
+
+    @property
+    def device(self) -> torch.device:
+        return self._run.device
+
+    @property
+    def policy(self) -> Policy:
+        """The precision policy in force (param, compute and reduce dtypes)."""
+        return self._run.policy
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy in force (after ``"auto"`` chose, at the first set-up model)."""
+        return self._run.strategy
+
+    @property
+    def seed(self) -> int | None:
+        return self._run.seed
+
+    @property
     def rank(self) -> int:
-        return self.launch.rank
+        return self._run.launch.rank
 
     @property
     def world_size(self) -> int:
-        return self.launch.world_size
+        return self._run.launch.world_size
 
     @property
     def local_rank(self) -> int:
-        return self.launch.local_rank
+        return self._run.launch.local_rank
 
     @property
     def is_main_process(self) -> bool:
-        return self.launch.rank == 0
+        return self._run.launch.rank == 0
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps really taken (a skipped fp16 step does not count)."""
+        return self._run.optimizer_steps
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last boundary's step was skipped (an fp16 overflow)."""
+        return self._run.step_was_skipped
 
     @property
     def grad_accum_steps(self) -> int:
-        return self._window.grad_accum_steps
+        return self._run.window.grad_accum_steps
 
     @grad_accum_steps.setter
     def grad_accum_steps(self, steps: int) -> None:
@@ -174,17 +191,17 @@ class Accelerator:
         Raises:
             ConfigError: ``steps`` is not an integer >= 1, or a window is half done.
         """
-        accum_steps.assign(self, steps)
+        accum_steps.assign(self._run, steps)
 
     @property
     def sync_gradients(self) -> bool:
         """Whether the current (or last) micro-step ends the accumulation window."""
-        return self._window.is_boundary
+        return self._run.window.is_boundary
 
     @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale, or None when no loss scaling is in use."""
-        return self.strategy.loss_scale
+        return self._run.strategy.loss_scale
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, *objects: Any) -> Any:
@@ -200,7 +217,7 @@ class Accelerator:
         Raises:
             ConfigError: an object set up twice, of an unknown type, or without its partner.
         """
-        return object_setup.setup(self, objects)
+        return object_setup.setup(self._run, objects)
 
     def find_micro_batch_size(self, step: Callable[[Any], Any], make_batch: Callable[[int], Any],
                               *, headroom: float = DEFAULT_HEADROOM,
@@ -226,21 +243,21 @@ class Accelerator:
             ConfigError: ``micro_batch_size`` is not ``"auto"``, nothing was set up, or not even
                 a micro-batch of 1 fits.
         """
-        from accumix.micro_batch_probe import find_micro_batch_size
+        from accumix.memory.micro_batch_probe import find_micro_batch_size
 
-        return find_micro_batch_size(self, step, make_batch, headroom=headroom, run_dir=run_dir)
+        return find_micro_batch_size(self._run, step, make_batch, headroom=headroom,
+                                     run_dir=run_dir)
+
+    @property
+    def micro_batch_size(self) -> int | str | None:
+        """Samples per forward on one rank as set: the given number, ``"auto"`` until
+        ``find_micro_batch_size`` chose (then the choice), or None (the loader's)."""
+        return self._run.batch_sizes[2]
 
     @property
     def micro_batch_choice(self) -> MicroBatchChoice | None:
         """What ``micro_batch_size="auto"`` chose and why (None before, or without auto)."""
-        return self._micro_batch_choice
-
-    def _on_batch(self, is_last: bool) -> None:
-        self._window.end_of_data = is_last
-
-    def _between_batches(self) -> None:
-        if self._preemption is not None:
-            self._preemption.at_batch()
+        return self._run.micro_batch_choice
 
     # -- the step ------------------------------------------------------------------------------
     def accumulate(self, *models: nn.Module) -> micro_step._MicroStep:
@@ -248,7 +265,7 @@ class Accelerator:
         (default: every set-up model); the last micro-step of a window (or of the epoch's data)
         is the boundary, where ``sync_gradients`` is True."""
         # The common call has no arguments: reuse one context (micro-steps never nest).
-        return micro_step._MicroStep(self, models) if models else self._micro_step
+        return micro_step._MicroStep(self._run, models) if models else self._micro_step
 
     def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None
                  ) -> None:
@@ -263,7 +280,7 @@ class Accelerator:
         Raises:
             AccumixError: called outside ``acc.accumulate()``.
         """
-        micro_step.backward(self, loss, num_items)
+        micro_step.backward(self._run, loss, num_items)
 
     def run_micro_batch(self, step_fn: Any, batch: Any) -> Any:
         """Forward and backward of one micro-batch, with the out-of-memory safety net.
@@ -284,7 +301,7 @@ class Accelerator:
         Raises:
             torch.OutOfMemoryError: not even one row fits (on every rank).
         """
-        return oom_split.run_micro_batch(self, step_fn, batch)
+        return oom_split.run_micro_batch(self._run, step_fn, batch)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, parameters: Any = None
@@ -299,10 +316,7 @@ class Accelerator:
         Returns:
             The total norm before clipping over all ranks, or None off the boundary.
         """
-        return boundary.clip_grad_norm(self, max_norm, norm_type, parameters)
-
-    def _optimizer_step(self, optimizer: AcceleratedOptimizer, closure: Any) -> Any:
-        return boundary.optimizer_step(self, optimizer, closure)
+        return boundary.clip_grad_norm(self._run, max_norm, norm_type, parameters)
 
     # -- collectives and helpers ---------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -326,7 +340,7 @@ class Accelerator:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper)."""
-        return strip_compiled(self.strategy.unwrap(strip_compiled(model)))
+        return unwrap(self._run.strategy, model)
 
     def save_model(self, directory: str | os.PathLike[str], model: nn.Module | None = None
                    ) -> Path:
@@ -338,11 +352,12 @@ class Accelerator:
         Returns:
             The file's path.
         """
-        return model_file.save_model(self, directory, model)
+        return model_file.save_model(self._run, directory, model)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None, *,
-                   extra_state: dict[str, Any] | None = None) -> Path:
+                   extra_state: dict[str, Any] | None = None,
+                   before_publish: Callable[[Path], None] | None = None) -> Path:
         """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
 
         Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
@@ -356,8 +371,11 @@ class Accelerator:
             run_dir: the run's directory (created if needed).
             keep_last: keep this many newest step directories, deleting older ones.
             extra_state: a JSON-safe dict stored with the checkpoint (rank 0's), read back
-                with ``accumix.run_dir.extra_state(step_dir)``; the Trainer keeps its
+                with ``accumix.checkpoint.extra_state(step_dir)``; the Trainer keeps its
                 callbacks' state there.
+            before_publish: ``before_publish(tmp_step_dir)``, on every rank, writes more files
+                into the step directory before it is published (listed in its manifest, so a
+                crash in between never publishes a checkpoint without them).
 
         Returns:
             The step directory written.
@@ -367,7 +385,8 @@ class Accelerator:
             ConfigError: ``extra_state`` is not JSON (nothing is written).
             CheckpointError: a rank failed to write (every rank raises it).
         """
-        return checkpoint.save_state(self, run_dir, keep_last=keep_last, extra_state=extra_state)
+        return checkpoint.save_state(self._run, run_dir, keep_last=keep_last,
+                                     extra_state=extra_state, before_publish=before_publish)
 
     def load_state(self, path: str | os.PathLike[str], *, strict: bool = True) -> Path:
         """Restores a ``save_state`` checkpoint into what was set up; training then continues
@@ -393,7 +412,7 @@ class Accelerator:
                 of objects, or a loader position it cannot continue); the message names the
                 file. Every rank raises it.
         """
-        return checkpoint.load_state(self, path, strict=strict)
+        return checkpoint.load_state(self._run, path, strict=strict)
 
     def handle_preemption(
         self,
@@ -419,8 +438,9 @@ class Accelerator:
         Returns:
             The handler (``triggered``, ``checkpoint``).
         """
-        return lifecycle.handle_preemption(self, run_dir, signals=signals, keep_last=keep_last,
-                                           exit=exit)
+        return lifecycle.handle_preemption(
+            self._run, run_dir, signals=signals, keep_last=keep_last, exit=exit,
+            save=lambda directory, keep: self.save_state(directory, keep_last=keep))
 
     def end(self) -> None:
         """Waits for every rank and releases what the strategy holds.
@@ -429,4 +449,4 @@ class Accelerator:
         exit: destroying it here races a rank that re-creates it at once against a peer whose
         old store still answers on the same port (a hang).
         """
-        lifecycle.end(self)
+        lifecycle.end(self._run)

@@ -3,6 +3,9 @@
 Each rank is a fresh ``spawn``-ed interpreter with torchrun's variables set, one CPU thread,
 ``MASTER_ADDR=127.0.0.1`` and a free port. Results come back in rank order; a rank's exception
 is re-raised here with its traceback. Group many checks in one call: a spawn costs seconds.
+``spawn(fn, 4, nodes=2)`` simulates two machines of two ranks each: every rank gets the
+per-node variables torchrun's agent on its node would set (``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``), on one loopback.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -29,14 +32,20 @@ class RankFailed(RuntimeError):
     """A spawned rank raised; the message holds its traceback."""
 
 
+def node_variables(rank: int, world: int, nodes: int = 1) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of ``world`` ranks on ``nodes`` machines of equal size,
+    ranks numbered node by node (as torchrun's agents number them)."""
+    per_node = world // nodes
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node),
+            "GROUP_WORLD_SIZE": str(nodes)}
+
+
 def _run_rank(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
-              env: dict[str, str], queue: Any) -> None:
+              env: dict[str, str], queue: Any, nodes: int = 1) -> None:
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update({**node_variables(rank, world, nodes), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     import torch
 
     torch.set_num_threads(1)
@@ -52,7 +61,8 @@ def _run_rank(fn: Callable[..., Any], rank: int, world: int, port: int, args: tu
 
 
 def spawn(fn: Callable[..., Any], nprocs: int = 2, args: tuple[Any, ...] = (),
-          env: dict[str, str] | None = None, timeout: float = 240.0) -> list[Any]:
+          env: dict[str, str] | None = None, timeout: float = 240.0, *, nodes: int = 1
+          ) -> list[Any]:
     """Runs ``fn(*args)`` on ``nprocs`` ranks and returns each rank's result, rank order.
 
     Args:
@@ -61,17 +71,22 @@ def spawn(fn: Callable[..., Any], nprocs: int = 2, args: tuple[Any, ...] = (),
         args: passed to ``fn`` on every rank.
         env: extra environment variables for the ranks.
         timeout: seconds before the ranks are killed and this raises.
+        nodes: simulated machines, ``nprocs // nodes`` ranks each (consecutive ranks share
+            one): the per-node variables are set as torchrun sets them on each node.
 
     Raises:
         RankFailed: a rank raised, died, or the run timed out.
+        ValueError: ``nodes`` does not divide ``nprocs``.
     """
+    if nodes < 1 or nprocs % nodes:
+        raise ValueError(f"nodes={nodes} does not divide nprocs={nprocs}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     # Not daemonic: a rank may start DataLoader workers. The ``finally`` below kills any rank
     # still alive, so none outlives this call.
     procs = [
-        ctx.Process(target=_run_rank, args=(fn, r, nprocs, port, args, env or {}, queue),
+        ctx.Process(target=_run_rank, args=(fn, r, nprocs, port, args, env or {}, queue, nodes),
                     daemon=False)
         for r in range(nprocs)
     ]
@@ -111,3 +126,154 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.lin(x))
+
+
+# -- counting what collectives move ---------------------------------------------------------
+# The functions that move tensors, and which of their tensors is the logical (unsharded)
+# payload: an all-gather's output, a reduce-scatter's input, the tensor itself otherwise.
+# FSDP2 (torch 2.13) calls torch.distributed's all_gather_single / reduce_scatter_single /
+# all_reduce; DTensor (clip_grad_norm_'s norm, full_tensor) the functional collectives, whose
+# all-gather returns its output (payload: the input times the group's size); DeepSpeed's comm
+# backend binds torch.distributed's all-gather and reduce-scatter at its creation and calls
+# them through its own methods.
+_PAYLOAD = {  # name: (position, keyword) of the payload tensor (or list)
+    "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
+    "all_gather_into_tensor": (0, "output_tensor"), "_all_gather_base": (0, "output_tensor"),
+    "all_gather_single": (0, "output_tensor"), "all_gather": (0, "tensor_list"),
+    "reduce_scatter_tensor": (1, "input"), "_reduce_scatter_base": (1, "input"),
+    "reduce_scatter_single": (1, "input"), "reduce_scatter": (1, "input_list"),
+    "all_to_all_single": (1, "input"),
+}
+# torch.distributed._functional_collectives: name -> position of ``group`` (payload: ``self``).
+_FUNCOL_GROUP = {"all_reduce": 2, "broadcast": 2, "all_gather_single": 2,
+                 "all_gather_tensor": 2, "reduce_scatter_single": 3,
+                 "reduce_scatter_tensor": 3, "all_to_all_single": 3}
+_GATHERS = ("all_gather_single", "all_gather_tensor")
+# deepspeed.comm.torch.TorchBackend: name -> (position, keyword) of the payload (after self).
+_DEEPSPEED = {"all_gather_into_tensor": (0, "output_tensor"),
+              "all_gather_base": (0, "output_tensor"),
+              "reduce_scatter_tensor": (1, "input_tensor")}
+
+
+class Collective(NamedTuple):
+    """One collective call on this rank: the function, the group's global ranks, the payload's
+    dtype and bytes (the whole logical tensor: what an all-gather delivers, what a
+    reduce-scatter reduces)."""
+
+    op: str
+    ranks: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+class CollectiveLog:
+    """Records every collective this process calls while active: ``torch.distributed``'s,
+    the functional collectives DTensor uses, and DeepSpeed's comm backend's (when loaded).
+
+    ``with CollectiveLog() as log: ...`` patches the modules' functions (code that looks them
+    up as ``dist.<name>`` at call time is seen; C++ callers such as DDP's reducer without a comm
+    hook are not). A call made inside another counted one (a wrapper calling the function it
+    wraps) is counted once. ``log.nbytes(where=...)`` sums the payloads, e.g. those whose group
+    spans two nodes: ``where=lambda ranks: len({r // 2 for r in ranks}) > 1``.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[Collective] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._depth = 0
+
+    def __enter__(self) -> CollectiveLog:
+        import sys
+
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        for name, where in _PAYLOAD.items():
+            self._patch(dist, name, lambda args, kwargs, where=where: _payload(args, kwargs,
+                                                                                 *where),
+                        _group_of)
+        for name, index in _FUNCOL_GROUP.items():
+            factor = name in _GATHERS
+            self._patch(funcol, name, lambda args, kwargs, factor=factor, index=index:
+                        _funcol_payload(args, kwargs, index, factor),
+                        lambda args, kwargs, index=index: _funcol_group(args, kwargs, index))
+        backend = sys.modules.get("deepspeed.comm.torch")
+        for name, where in _DEEPSPEED.items() if backend is not None else ():
+            self._patch(backend.TorchBackend, name,
+                        lambda args, kwargs, where=where: _payload(args[1:], kwargs, *where),
+                        lambda args, kwargs: _group_of(args[1:], kwargs))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    def _patch(self, owner: Any, name: str,
+               payload: Callable[[tuple[Any, ...], dict[str, Any]], list[torch.Tensor]],
+               group: Callable[[tuple[Any, ...], dict[str, Any]], tuple[int, ...]]) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        self._saved.append((owner, name, original))
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                tensors = payload(args, kwargs)
+                if tensors:
+                    self.calls.append(Collective(name, group(args, kwargs), tensors[0].dtype,
+                                                 sum(t.numel() * t.element_size()
+                                                     for t in tensors)))
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        setattr(owner, name, counted)
+
+    def nbytes(self, where: Callable[[tuple[int, ...]], bool] | None = None,
+               op: str | None = None) -> int:
+        """The payload bytes of the calls whose group's ranks satisfy ``where`` (and ``op``)."""
+        return sum(c.nbytes for c in self.calls
+                   if (where is None or where(c.ranks)) and (op is None or c.op == op))
+
+
+def _payload(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, keyword: str
+             ) -> list[torch.Tensor]:
+    tensor = args[index] if len(args) > index else kwargs.get(keyword)
+    if isinstance(tensor, (list, tuple)):  # all_gather(list, t): the list's total
+        return [t for t in tensor if isinstance(t, torch.Tensor)]
+    return [tensor] if isinstance(tensor, torch.Tensor) else []
+
+
+def _group_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _funcol_group(args: tuple[Any, ...], kwargs: dict[str, Any], index: int
+                  ) -> tuple[int, ...]:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = funcol._resolve_group(args[index] if len(args) > index else kwargs["group"])
+    if not isinstance(group, dist.ProcessGroup):
+        group = _resolve_process_group(group)  # a group name (DeviceMesh dimensions)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _funcol_payload(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, gathers: bool
+                    ) -> list[torch.Tensor]:
+    tensor = args[0] if args else kwargs.get("self")
+    if not isinstance(tensor, torch.Tensor):
+        return []
+    if gathers:  # the output: every rank's input
+        size = len(_funcol_group(args, kwargs, index))
+        return [torch.empty(tensor.numel() * size, dtype=tensor.dtype, device="meta")]
+    return [tensor]

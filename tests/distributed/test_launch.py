@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     import accumix as ax
 
-    from accumix import env
+    from accumix.runtime import env
 
     acc = ax.Accelerator(precision="fp32")
     total = acc.reduce(torch.tensor(float(acc.rank + 1)), "sum").item()

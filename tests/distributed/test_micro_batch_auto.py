@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.micro_batch_cache import cache_key
-from accumix.micro_batch_probe import measure
+from accumix.memory.micro_batch_cache import cache_key
+from accumix.memory.micro_batch_probe import measure
 from accumix.testing import ResidualBlock
 from tests.distributed import micro_batch_jobs
 
@@ -90,7 +90,7 @@ def _train(strategy: str, micro: int | str, inject: str) -> tuple[int, int, dict
         if strategy == "zero-2" and inject == "forward":  # the probe counts ZeRO's buckets
             itemsize = next(acc.unwrap(model).parameters()).element_size()
             trainable = sum(p.numel() for p in acc.unwrap(model).parameters())
-            bucket = (measure(acc, step, make, 2).growth, trainable * itemsize,
+            bucket = (measure(acc._run, step, make, 2).growth, trainable * itemsize,
                       model.optimizer.reduce_bucket_size * itemsize)
     loader = acc.setup(DataLoader(data, batch_size=2 if micro == "auto" else micro, shuffle=True))
     for x, y in loader:
@@ -117,7 +117,7 @@ def _key(stage: int, config: dict[str, Any] | None) -> str:
                          global_batch_size=GLOBAL, micro_batch_size="auto", seed=0, timeout=60)
     net = Net("")
     acc.setup(net, torch.optim.AdamW(net.parameters()))
-    key = cache_key(acc, (torch.randn(1, 6), torch.randn(1, 1)), GLOBAL, 0.1)
+    key = cache_key(acc._run, (torch.randn(1, 6), torch.randn(1, 1)), GLOBAL, 0.1)
     acc.end()
     return key
 

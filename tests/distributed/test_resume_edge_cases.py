@@ -79,7 +79,7 @@ def _preempt_last_window(run_dir: str) -> int:
 
     def hook(acc: ax.Accelerator) -> None:
         # Rank 1 only, one micro-step into window 4: the last of epoch 0.
-        if (acc.rank == 1 and acc.optimizer_steps == 3 and acc._window.micro_step == 1):
+        if (acc.rank == 1 and acc.optimizer_steps == 3 and acc._run.window.micro_step == 1):
             os.kill(os.getpid(), signal.SIGTERM)
         if handler.triggered:
             raise _Stop

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import accumix as ax
-from accumix.memory import estimate_memory
+from accumix.memory.model import estimate_memory
 from accumix.testing import ResidualBlock as Block
 from accumix.testing import spawn
 from tests import workloads as w

@@ -64,7 +64,7 @@ def loader_reference(windows_taken: int) -> list[list[dict[str, np.ndarray]]]:
     rank 1's."""
     import torch
 
-    from accumix.data import AcceleratedDataLoader
+    from accumix.data.loader import AcceleratedDataLoader
     from accumix.jax.data import to_numpy
 
     shards = []
@@ -205,8 +205,8 @@ def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStr
 def auto_choice(out: Path) -> None:
     """micro_batch_size='auto' with a smaller memory_limit on process 1: both take its choice
     (4 of 2/4/8/16 rows per process), though process 0's limit fits every candidate."""
+    from accumix.common.micro_batch_search import DEFAULT_HEADROOM
     from accumix.jax.micro_batch import window_peak_bytes
-    from accumix.micro_batch_search import DEFAULT_HEADROOM
 
     def rows(n: int):
         return w.micro_batches(1, rows=n, seed=3)[0]

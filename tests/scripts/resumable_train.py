@@ -143,7 +143,7 @@ def main() -> None:
             return
         if acc.sync_gradients and step == args.hang_between:
             hang()
-        if acc._window.micro_step != 1:  # one micro-step into a window
+        if acc._run.window.micro_step != 1:  # one micro-step into a window
             return
         if step == args.kill_at and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import accumix as ax
-from accumix.accumulation import AccumulationWindow, derive_grad_accum_steps
+from accumix.step.accumulation import AccumulationWindow, derive_grad_accum_steps
 
 
 def derive(k=None, g=None, m=None, w=1):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from accumix.memory import estimate_memory
+from accumix.memory.model import estimate_memory
 from accumix.precision import Policy
 from accumix.strategies.registry import choose_auto_strategy
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import accumix as ax
 from accumix.checkpoint import CheckpointError, latest_checkpoint
-from accumix.data import AcceleratedDataLoader
+from accumix.data.loader import AcceleratedDataLoader
 from tests.scripts.resumable_train import build, params, train
 
 EPOCHS = 2  # 24 micro-batches of 2 an epoch, K=3: 8 steps an epoch on one process
@@ -210,7 +210,7 @@ def test_preemption_saves_at_the_next_boundary(saved: tuple[Any, Path], tmp_path
     sent = []
 
     def sigterm_in_window_5(acc: ax.Accelerator) -> None:
-        if acc.optimizer_steps == 4 and acc._window.micro_step == 1 and not sent:
+        if acc.optimizer_steps == 4 and acc._run.window.micro_step == 1 and not sent:
             sent.append(os.kill(os.getpid(), signal.SIGTERM))
         if handler.triggered:
             raise StopIteration

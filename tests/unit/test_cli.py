@@ -15,7 +15,7 @@ import torch
 from accumix.cli.launch import plan_launch, slurm_settings, torchrun_args
 from accumix.cli.main import main
 from accumix.errors import ConfigError
-from accumix.memory import estimate_memory
+from accumix.memory.model import estimate_memory
 from accumix.recipes.gpt import GPT, GPTConfig
 
 # The default recipe, shrunk to seconds: 1 layer, short documents, 20 files, 8 steps.
@@ -118,3 +118,26 @@ def test_launch_plan_defaults_and_slurm() -> None:
         "--master-port=11234"]
     with pytest.raises(ConfigError, match="srun --ntasks-per-node=1"):
         slurm_settings({**slurm, "SLURM_STEP_NUM_TASKS": "16"})
+
+
+@pytest.mark.parametrize("codes,status", [
+    ({0: 2, 1: -15}, 2),  # rank 0's ConfigError; the agent stopped rank 1 before its own exit 2
+    ({0: 2, 1: 2}, 2),
+    ({0: 2, 1: -11}, 1),  # a crash is not a config error
+    ({0: 3, 1: -15}, 1),
+])
+def test_launch_exits_2_when_the_ranks_failed_with_a_config_error(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], codes, status
+) -> None:
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from accumix.cli.launch import plan_launch, run_torchrun
+
+    def failing(_args: object) -> None:
+        raise ChildFailedError("job.py", {rank: ProcessFailure(rank, 1000 + rank, code, "")
+                                          for rank, code in codes.items()})
+
+    monkeypatch.setattr(torchrun, "run", failing)
+    assert run_torchrun(plan_launch(nproc=2), "job.py", []) == status
+    assert ("accumix launch: rank" in capsys.readouterr().out) == (status == 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from accumix.data import AcceleratedDataLoader
+from accumix.data.loader import AcceleratedDataLoader
 
 DATA = TensorDataset(torch.arange(10))
 

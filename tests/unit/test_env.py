@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from accumix.env import detect_launch_env, first_host
+from accumix.runtime.env import detect_launch_env, first_host
 
 
 def test_no_launcher() -> None:
@@ -73,7 +73,7 @@ def test_exit_teardown_aborts_the_group_after_an_uncaught_exception(
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from accumix import env
+    from accumix.runtime import env
     from accumix.testing import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -112,7 +112,7 @@ _EXITS_WITH_1 = """
 import sys
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from accumix import env
+from accumix.runtime import env
 from accumix.testing import free_port
 
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,

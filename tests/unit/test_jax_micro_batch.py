@@ -14,9 +14,9 @@ import numpy as np  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import accumix.jax as axj  # noqa: E402
+from accumix.common.micro_batch_search import DEFAULT_HEADROOM  # noqa: E402
 from accumix.errors import ConfigError  # noqa: E402
 from accumix.jax.micro_batch import window_peak_bytes  # noqa: E402
-from accumix.micro_batch_search import DEFAULT_HEADROOM  # noqa: E402
 from tests import jax_workloads as w  # noqa: E402
 
 G = 32  # one process, 2 CPU devices: candidates 2, 4, ..., 32 (a multiple of the devices)
@@ -120,12 +120,12 @@ def test_cache_key_changes_with_the_world_and_not_otherwise() -> None:
     def key(**changed: object) -> str:
         fake = SimpleNamespace(**{"world_size": acc.world_size, "num_devices": acc.num_devices,
                                   "policy": acc.policy, "strategy": acc.strategy,
-                                  "_batch_sizes": acc._batch_sizes,
-                                  "_memory_limit": acc._memory_limit, **changed})
+                                  "global_batch_size": acc.global_batch_size,
+                                  "memory_limit": acc.memory_limit, **changed})
         return cache_key(fake, state, _rows, clip_norm=1.0, headroom=0.1)
 
     same = key()
     assert same == cache_key(acc, state, _rows, clip_norm=1.0, headroom=0.1)
-    others = [key(world_size=2), key(num_devices=4), key(_memory_limit=10**8),
+    others = [key(world_size=2), key(num_devices=4), key(memory_limit=10**8),
               cache_key(acc, state, _rows, clip_norm=1.0, headroom=0.2)]
     assert len({same, *others}) == 5

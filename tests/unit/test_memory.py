@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from accumix import memory
-from accumix.memory import (
+from accumix.memory import model as memory
+from accumix.memory.model import (
     PRECISIONS,
     STRATEGIES,
     MemoryEstimate,

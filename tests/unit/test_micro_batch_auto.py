@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.micro_batch_cache import CACHE_FILE
-from accumix.micro_batch_probe import _far_over, measure
+from accumix.memory.micro_batch_cache import CACHE_FILE
+from accumix.memory.micro_batch_probe import _far_over, measure
 
 GLOBAL = 24  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
 
@@ -56,7 +56,7 @@ def test_cpu_memory_limit_chooses_the_largest_measured_fit(tmp_path: Path) -> No
              "items": lambda model: lambda x: (model(x).sum(), x.shape[0])}
     for mode, step_of in steps.items():  # the modes' peaks differ (mean's backward expands)
         acc, model, _ = _set_up()
-        peaks = {n: measure(acc, step_of(model), _make, n).peak for n in (6, 8)}
+        peaks = {n: measure(acc._run, step_of(model), _make, n).peak for n in (6, 8)}
         limit = int((peaks[6] + peaks[8]) / 2 / 0.9)  # 6 fits with 10% headroom, 8 does not
         assert peaks[6] <= 0.9 * limit < peaks[8]
         acc, model, _ = _set_up(memory_limit=limit)
@@ -92,18 +92,18 @@ def test_measured_peak_is_the_real_peak_rss_growth() -> None:
 import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 import torch
 from tests.unit.test_micro_batch_auto import _make, _set_up
-from accumix.micro_batch_probe import _far_over, measure
+from accumix.memory.micro_batch_probe import _far_over, measure
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 acc, model, _ = _set_up(4096)
 step = lambda x: model(x).mean()
-measure(acc, step, _make, 2)  # warm up: first-call allocations are not the step's
+measure(acc._run, step, _make, 2)  # warm up: first-call allocations are not the step's
 before = status("VmRSS:")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-meter = measure(acc, step, _make, 40)
+meter = measure(acc._run, step, _make, 40)
 print(meter.growth, status("VmHWM:") - before)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import accumix as ax
 from accumix.errors import ConfigError
-from accumix.oom_split import slice_batch, split_loss
+from accumix.memory.oom_split import slice_batch, split_loss
 from accumix.trainer import Trainer
 from tests import workloads as w
 from tests.oom_injection import LogLines, make_model

@@ -65,10 +65,10 @@ def _val_losses(weights: Path) -> tuple[float, float]:
     """The validation loss of ``weights`` under each backend (fp32, the same held-out files)."""
     import accumix as ax
     import accumix.jax as axj
-    from accumix.jax.trainer_steps import JaxSteps
     from accumix.recipes import default, default_jax
     from accumix.trainer.config import load_config
     from accumix.trainer.evaluation import evaluate
+    from accumix.trainer.jax_steps import JaxSteps
 
     config = load_config(default.TrainConfig, None, [*TINY, f"init_from={weights}"])
     files = default.text_files(config.data)
@@ -152,8 +152,8 @@ def test_weights_of_another_shape_exit_2_with_one_line(tmp_path, capsys) -> None
 
 def test_sigterm_saves_at_the_next_read_and_exits_0(tmp_path, capsys) -> None:
     """A pre-emption signal (the flag its handler sets) saves the state and exits 0."""
-    from accumix.jax.trainer_steps import JaxSteps
     from accumix.trainer import Callback
+    from accumix.trainer.jax_steps import JaxSteps
 
     class Signal(Callback):
         def on_optimizer_step(self, trainer, metrics):
@@ -219,9 +219,9 @@ def test_auto_chooses_under_memory_limit_equals_the_explicit_run_and_caches(
     import json
     import logging
 
+    from accumix.common.micro_batch_search import DEFAULT_HEADROOM
     from accumix.jax import micro_batch
-    from accumix.micro_batch_cache import CACHE_FILE
-    from accumix.micro_batch_search import DEFAULT_HEADROOM
+    from accumix.memory.micro_batch_cache import CACHE_FILE
 
     peaks = _recipe_peaks([4, 8])
     assert peaks[4] < peaks[8], peaks
@@ -273,7 +273,7 @@ def test_auto_elastic_restart_on_two_processes_chooses_again(tmp_path) -> None:
     import json
     import os
 
-    from accumix.micro_batch_cache import CACHE_FILE
+    from accumix.memory.micro_batch_cache import CACHE_FILE
 
     tiny = [a for a in TINY if not a.startswith(("micro_batch_size", "nproc", "sample"))]
     env = {k: v for k, v in os.environ.items()

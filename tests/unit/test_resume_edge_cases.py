@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import accumix as ax
 from accumix.checkpoint import CheckpointError, latest_checkpoint
-from accumix.data import AcceleratedDataLoader
+from accumix.data.loader import AcceleratedDataLoader
 from tests.scripts.resumable_train import build, build_unused_head, dataset, params, train
 
 STEPS, SAVE_AT = 8, 3
@@ -128,7 +128,7 @@ def _signal_at(step: int, micro_step: int = 1) -> Callable[[ax.Accelerator], Non
     sent: list[None] = []
 
     def hook(acc: ax.Accelerator) -> None:
-        if acc.optimizer_steps == step and acc._window.micro_step == micro_step and not sent:
+        if acc.optimizer_steps == step and acc._run.window.micro_step == micro_step and not sent:
             sent.append(os.kill(os.getpid(), signal.SIGTERM))
 
     return hook
@@ -142,8 +142,8 @@ def test_optimizer_parameter_without_gradient_resumes_exactly(tmp_path: Path) ->
     assert _equal(resumed, expected) and acc.optimizer_steps == 16
     assert "extra.weight" in resumed
     # The head still has no optimizer state, as in the uninterrupted run.
-    opt = acc._optimizers[0]
-    extra = acc.unwrap(acc._models[0]).extra.weight
+    opt = acc._run.optimizers[0]
+    extra = acc.unwrap(acc._run.models[0]).extra.weight
     assert extra not in opt.state and len(opt.state) == 4
 
 
@@ -169,7 +169,7 @@ def test_numpy_hyper_parameters_save_and_resume_exactly(reference: dict[str, tor
     _job(_build_numpy_lr, run_dir=tmp_path, save_at={5}, stop_at=5)
     resumed, acc = _job(_build_numpy_lr, load=tmp_path)
     assert _equal(resumed, expected) and acc.optimizer_steps == 16
-    group = acc._optimizers[0].param_groups[0]
+    group = acc._run.optimizers[0].param_groups[0]
     assert type(group["lr"]) is float and type(group["betas"][0]) is float
     # Without a scheduler (whose save refused numpy's base_lrs), the save went through and
     # every load failed ("a different model or optimizer?").
@@ -203,11 +203,11 @@ def test_float32_hyper_parameters_resume_their_schedule_exactly(tmp_path: Path) 
     # resumed run multiplied in float64: its last lr was 0.00033232922804... instead of the
     # uninterrupted float32 chain's 0.00033232921850867 (and a float, not a float32).
     expected, acc = _job(_build_float32_lr)
-    lr = acc._optimizers[0].param_groups[0]["lr"]
+    lr = acc._run.optimizers[0].param_groups[0]["lr"]
     assert type(lr) is np.float32 and lr == np.float32(0.1) * np.float32(0.7) ** 16
     _job(_build_float32_lr, run_dir=tmp_path, save_at={5}, stop_at=5)
     resumed, acc = _job(_build_float32_lr, load=tmp_path)
-    back = acc._optimizers[0].param_groups[0]["lr"]
+    back = acc._run.optimizers[0].param_groups[0]["lr"]
     assert (type(back), float(back)) == (np.float32, float(lr)) and _equal(resumed, expected)
 
 
@@ -291,7 +291,7 @@ def test_signal_in_the_final_window_or_after_the_loop_is_honoured(
     assert step == tmp_path / "after" / "step-16"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     _, loaded = _job(load=step)  # the finished run: nothing left to train
-    assert _equal(params(loaded, loaded._models[0]), reference)
+    assert _equal(params(loaded, loaded._run.models[0]), reference)
 
 
 # -- 6. a crash while a second save at the same step replaces the first ---------------------
@@ -316,7 +316,7 @@ def test_crash_between_the_renames_of_a_second_save_recovers(
                 raise _Killed
         real_rename(src, dst)
 
-    monkeypatch.setattr("accumix.checkpoint.os.rename", rename)
+    monkeypatch.setattr("accumix.checkpoint.save_load.os.rename", rename)
     with pytest.raises(_Killed):
         acc.save_state(run)  # the same step again
     monkeypatch.undo()
@@ -468,8 +468,8 @@ def test_model_with_only_some_of_the_keys_is_refused(tmp_path: Path) -> None:
 def test_partial_model_loads_what_both_have_when_asked(tmp_path: Path) -> None:
     acc = _acc()
     train(acc, build(acc), epochs=EPOCHS, run_dir=tmp_path, save_at={3}, stop_at=3)
-    saved = {k: v.clone() for k, v in acc._models[0].state_dict().items()}
-    saved_opt = acc._optimizers[0].state
+    saved = {k: v.clone() for k, v in acc._run.models[0].state_dict().items()}
+    saved_opt = acc._run.optimizers[0].state
     acc = _acc()
     torch.manual_seed(1)
     part = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))  # a new last layer

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import accumix as ax
-from accumix.batch_sizes import batch_geometry, resumed_grad_accum_steps
+from accumix.common.batch_sizes import batch_geometry, resumed_grad_accum_steps
 from tests.scripts.resumable_train import dataset, params
 
 
@@ -37,7 +37,7 @@ def _train(acc: ax.Accelerator, objects: tuple[Any, ...], *, until: int,
     ks: list[int] = []
     while acc.optimizer_steps < until:
         for x, y in loader:
-            if acc._window.micro_step == 0 and k_from and acc.optimizer_steps in k_from:
+            if acc._run.window.micro_step == 0 and k_from and acc.optimizer_steps in k_from:
                 acc.grad_accum_steps = k_from[acc.optimizer_steps]
             with acc.accumulate():
                 acc.backward(nn.functional.mse_loss(model(x), y))

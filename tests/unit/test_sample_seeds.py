@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, random_split
 
-from accumix.data import AcceleratedDataLoader
-from accumix.sample_seeds import SeededDataset, _seed_all, mix
+from accumix.data.loader import AcceleratedDataLoader
+from accumix.data.sample_seeds import SeededDataset, _seed_all, mix
 
 
 class Augmented(Dataset):

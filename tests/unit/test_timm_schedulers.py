@@ -81,12 +81,12 @@ def test_timm_scheduler_steps_with_real_updates_and_resumes(tmp_path: Path) -> N
     # One call per real step, with the real count: the overflow window has none.
     assert full.updates == [1, 2, 3, 4, 5], full.updates
     assert acc.optimizer_steps == 5 and full.epochs == [1]
-    lr_full = acc._optimizers[0].param_groups[0]["lr"]
+    lr_full = acc._run.optimizers[0].param_groups[0]["lr"]
     assert lr_full == full._lr(5, 0.1)
     acc.end()
     resumed, model2, acc2 = _run(tmp_path, resume=True)
     assert resumed.updates == full.updates and resumed.epochs == [1]
-    assert acc2._optimizers[0].param_groups[0]["lr"] == lr_full
+    assert acc2._run.optimizers[0].param_groups[0]["lr"] == lr_full
     assert torch.equal(acc2.unwrap(model2).weight, acc.unwrap(model).weight)
     acc2.end()
 

@@ -201,7 +201,7 @@ def test_a_crash_while_the_average_is_written_leaves_the_previous_checkpoint_res
     is written (here at step 6, ``keep_checkpoints=1``) leaves step 3 as ``latest``, complete,
     and the resumed run ends with the uninterrupted run's average bitwise. (It used to be
     written after ``latest`` moved and step 3 was pruned: no checkpoint could be resumed.)"""
-    from accumix import dcp_state
+    from accumix.checkpoint import dcp_state
 
     def fit(max_steps: int, run_dir: Path | None) -> WeightAveraging:
         ema = WeightAveraging(decay=DECAY)

@@ -26,8 +26,8 @@ def describe() -> list[tuple[str, str]]:
     import torch
     import torch.distributed as dist
 
-    from accumix.env import detect_launch_env
     from accumix.precision.policy import cpu_has_native_bf16, resolve_policy
+    from accumix.runtime.env import detect_launch_env
 
     lines = [
         ("accumix", _version("accumix")),

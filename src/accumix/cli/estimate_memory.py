@@ -46,7 +46,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="the recipe's config and overrides (e.g. model.n_layer=12)")
     parser.add_argument("--params", default=None, help="a parameter count instead of the recipe")
     parser.add_argument("--world-size", type=int, default=None,
-                        help="data-parallel ranks (default: the recipe's nproc)")
+                        help="data-parallel ranks over all nodes (default: the recipe's nproc)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="machines the ranks are spread over, the same number on each; "
+                        "several add the hsdp rows (fsdp within a node)")
     parser.add_argument("--precision", default=None,
                         help="fp32 | bf16-mixed | fp16-mixed | bf16-true (default: the "
                         "recipe's, auto resolved on this machine)")
@@ -65,7 +68,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     from accumix.cli.launch import resolve_nproc
     from accumix.cli.train import load_train_config
-    from accumix.memory import (
+    from accumix.memory.model import (
         PRECISIONS,
         choose_strategy,
         device_free_bytes,
@@ -88,9 +91,15 @@ def run_estimate(args: argparse.Namespace) -> int:
     world = args.world_size if args.world_size is not None else resolve_nproc(config.nproc)
     if world < 1:
         raise ConfigError(f"--world-size={world} is invalid; use an integer >= 1")
+    if args.nodes < 1 or world % args.nodes:
+        raise ConfigError(f"--nodes={args.nodes} is invalid with --world-size={world}; use a "
+                          "number of nodes that divides the world size")
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
     if (args.backend or config.backend) == "jax":
+        if args.nodes > 1:
+            raise ConfigError("--nodes is not sized for --backend jax yet; leave it out (the "
+                              "JAX table is per device of one mesh)")
         _host_devices(world)
         return _run_jax(args, config, world, precision)
     micro = config.micro_batch_size
@@ -115,13 +124,17 @@ def run_estimate(args: argparse.Namespace) -> int:
         count = sum(p.numel() for p in model_or_count.parameters())
         label = (f"the recipe's GPT ({count:,} parameters, micro batch "
                  f"{micro} x {shape.block_size} tokens)")
+    per_node = world // args.nodes
     device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
-                    else device_free_bytes(device, local_world_size=world))
+                    else device_free_bytes(device, local_world_size=per_node))
     estimates = estimate_memory(model_or_count, world_size=world, precision=precision,
                                 optimizer_states=args.optimizer_states,
-                                activation_bytes=activations, device_bytes=device_bytes)
-    choice = choose_strategy(estimates, device_bytes=device_bytes, world_size=world)
-    print(f"{label}, {precision}, world size {world}, {device_bytes / 2**30:.1f} GiB per rank")
+                                activation_bytes=activations, device_bytes=device_bytes,
+                                ranks_per_node=per_node)
+    choice = choose_strategy(estimates, device_bytes=device_bytes, world_size=world,
+                             ranks_per_node=per_node)
+    where = f"{args.nodes} nodes x {per_node} ranks" if args.nodes > 1 else f"world size {world}"
+    print(f"{label}, {precision}, {where}, {device_bytes / 2**30:.1f} GiB per rank")
     print(format_table(estimates))
     print(f"auto: {choice.reason}")
     return 0

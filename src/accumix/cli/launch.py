@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from accumix.env import first_host
 from accumix.errors import ConfigError
+from accumix.runtime.env import first_host
 from accumix.testing import free_port
 
 DEFAULT_MULTINODE_PORT = 29500
@@ -84,7 +86,7 @@ def slurm_settings(environ: Mapping[str, str]) -> dict[str, int | str]:
     if nodes > 1:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
         out["master_addr"] = first_host(nodelist)
-        # Lightning's rule, as accumix.env uses it: two jobs on one node get different ports.
+        # Lightning's rule, as runtime/env.py uses it: two jobs on one node get other ports.
         out["master_port"] = 10000 + int(environ["SLURM_JOB_ID"]) % 10000
     if environ.get("SLURM_GPUS_ON_NODE"):
         out["gpus"] = int(environ["SLURM_GPUS_ON_NODE"])
@@ -178,18 +180,29 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
     try:
         run(parse_args(torchrun_args(plan, target, target_args, module=module)))
     except ChildFailedError as exc:
-        failures = exc.failures
-        codes = {failure.exitcode for failure in failures.values()}
-        if codes == {2}:
-            return 2
-        # The agent kills the other ranks once one fails: name the one that failed first.
-        own = {r: f for r, f in failures.items() if f.exitcode > 0} or failures
-        rank, first = min(own.items(), key=lambda item: (item[1].timestamp, item[0]))
-        how = (f"was killed by signal {first.signal_name()}" if first.exitcode < 0
-               else f"exited with status {first.exitcode}")
-        print(f"accumix launch: rank {rank} {how} (its output is above)", flush=True)
-        return 1
+        status, line = failure_status(exc.failures)
+        if line:
+            print(line, flush=True)
+        return status
     return 0
+
+
+def failure_status(failures: Mapping[int, Any]) -> tuple[int, str]:
+    """The launch's exit status from torchrun's failed ranks, and the line naming the first.
+
+    2 when every rank that ended on its own exited with 2 (a usage or config error, its
+    one-line message already printed): once one rank fails the agent stops the others with
+    SIGTERM, which may reach a rank before its own exit 2 (the launch then exited 1); 1
+    otherwise, with the first failure named.
+    """
+    ended = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    if ended and {f.exitcode for f in ended.values()} == {2}:
+        return 2, ""
+    own = {rank: f for rank, f in failures.items() if f.exitcode > 0}
+    rank, first = min((own or failures).items(), key=lambda item: (item[1].timestamp, item[0]))
+    how = (f"was killed by signal {first.signal_name()}" if first.exitcode < 0
+           else f"exited with status {first.exitcode}")
+    return 1, f"accumix launch: rank {rank} {how} (its output is above)"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

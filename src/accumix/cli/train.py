@@ -58,9 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from accumix.accumulation import derive_grad_accum_steps
-    from accumix.env import detect_launch_env
     from accumix.recipes import default
+    from accumix.runtime.env import detect_launch_env
+    from accumix.step.accumulation import derive_grad_accum_steps
     from accumix.trainer.config import to_dict
 
     config = load_train_config(args.items)
@@ -76,6 +76,12 @@ def run_train(args: argparse.Namespace) -> int:
     if detect_launch_env().launcher != "none":  # a launcher started us: we are one rank
         return run(config)
     plan = plan_launch(nproc=config.nproc)
+    if config.strategy == "hsdp":  # a degenerate mesh is one line here, not one per rank
+        from accumix.common.launch_env import LaunchEnv
+        from accumix.strategies.node_groups import mesh_shape
+
+        mesh_shape(None, LaunchEnv(world_size=plan.nproc * plan.nnodes,
+                                   local_world_size=plan.nproc, num_nodes=plan.nnodes))
     # Checked here so a batch that does not divide is one line, not a failure on every rank.
     micro = config.micro_batch_size
     derive_grad_accum_steps(grad_accum_steps=None, global_batch_size=config.global_batch_size,

@@ -26,9 +26,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accumix.batch_sizes import derive_grad_accum_steps
+from accumix.common.batch_sizes import derive_grad_accum_steps
+from accumix.common.hardware import peak_flops_by_name
+from accumix.common.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    MicroBatchChoice,
+    check_micro_batch_word,
+    is_auto,
+    parse_memory_limit,
+)
 from accumix.errors import ConfigError
-from accumix.hardware import peak_flops_by_name
 from accumix.jax import checkpoint, distributed, trainable
 from accumix.jax.data import Window, WindowLoader, make_window
 from accumix.jax.loss_scale import LossScaleRule
@@ -39,15 +46,8 @@ from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
 from accumix.jax.step_calls import EvalStep, TrainStep
 from accumix.jax.strategies import JaxStrategy, resolve_jax_strategy
-from accumix.logging_setup import configure_logging
-from accumix.micro_batch_search import (
-    DEFAULT_HEADROOM,
-    MicroBatchChoice,
-    check_micro_batch_word,
-    is_auto,
-    parse_memory_limit,
-)
 from accumix.precision.loss_scale import DynamicLossScale, check_loss_scale_use
+from accumix.runtime.logging_setup import configure_logging
 
 log = logging.getLogger("accumix")
 
@@ -110,6 +110,7 @@ class Accelerator:
         self._optimizer: optax.GradientTransformation | None = None
         self._shardings: TrainState | None = None
         self._loader: WindowLoader | None = None
+        self._micro_batch_choice: MicroBatchChoice | None = None
         self._check_same_config((self.policy.name, self._batch_sizes, seed,
                                  None if loss_scale is None else repr(loss_scale)))
 
@@ -140,6 +141,37 @@ class Accelerator:
             raise ConfigError("strategy='auto' is chosen at acc.setup(params, optimizer); "
                               "call setup first")
         return self._strategy
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step over all processes, as given."""
+        return self._batch_sizes[1]
+
+    @property
+    def micro_batch_size(self) -> int | str | None:
+        """Samples per micro-step of one process as set: the given number, ``"auto"`` until
+        ``find_micro_batch_size`` chose (then the choice), or None (the loader's)."""
+        return self._batch_sizes[2]
+
+    @property
+    def memory_limit(self) -> int | None:
+        """What ``micro_batch_size="auto"`` may use per device, in bytes (None: unknown)."""
+        return self._memory_limit
+
+    @property
+    def optimizer(self) -> optax.GradientTransformation | None:
+        """The optax optimizer given to ``setup`` (None before)."""
+        return self._optimizer
+
+    @property
+    def state_shardings(self) -> TrainState | None:
+        """The ``TrainState``'s shardings on the mesh, as ``setup`` placed it (None before)."""
+        return self._shardings
+
+    @property
+    def loader(self) -> WindowLoader | None:
+        """The DataLoader set up (as windows), whose position checkpoints keep; or None."""
+        return self._loader
 
     @property
     def grad_accum_steps(self) -> int:
@@ -268,6 +300,7 @@ class Accelerator:
         same settings reuses it). Arguments and errors: ``accumix.jax.micro_batch.find``."""
         choice = find(self, state, loss_fn, make_batch, clip_norm=clip_norm, headroom=headroom,
                       run_dir=run_dir)
+        self._micro_batch_choice = choice  # what the loader is re-batched to
         self._batch_sizes = (self._batch_sizes[0], self._batch_sizes[1], choice.micro_batch_size)
         self._grad_accum_steps = choice.grad_accum_steps
         return choice.micro_batch_size
@@ -275,7 +308,7 @@ class Accelerator:
     @property
     def micro_batch_choice(self) -> MicroBatchChoice | None:
         """What ``micro_batch_size="auto"`` chose and why (None before, or without auto)."""
-        return getattr(self, "_micro_batch_choice", None)
+        return self._micro_batch_choice
 
     def setup_loader(self, loader: Any) -> WindowLoader:
         """A torch ``DataLoader`` as windows of K batches (``setup``'s third argument, for a
@@ -288,14 +321,14 @@ class Accelerator:
                               "torch DataLoader, or build windows with acc.window([...])")
         import torch
 
-        from accumix.data import AcceleratedDataLoader
+        from accumix.data.loader import AcceleratedDataLoader
 
         micro = self._batch_sizes[2]
         if is_auto(micro):
             raise ConfigError("micro_batch_size='auto' is chosen before the loader: call "
                               "acc.find_micro_batch_size(state, loss_fn, make_batch), then "
                               "acc.setup_loader(loader)")
-        loader = rebatched(self, loader)  # to the size micro_batch_size='auto' chose
+        loader = rebatched(self._micro_batch_choice, loader)  # to the size 'auto' chose
         if micro is not None and loader.batch_size not in (None, micro):
             raise ConfigError(f"DataLoader batch_size={loader.batch_size} differs from "
                               f"micro_batch_size={micro}; make them equal")
@@ -365,14 +398,16 @@ class Accelerator:
     # -- checkpoints and weights -----------------------------------------------------------
     def save_state(self, run_dir: str | os.PathLike[str], state: TrainState,
                    keep_last: int | None = None, *,
-                   extra_state: dict[str, Any] | None = None) -> Path:
+                   extra_state: dict[str, Any] | None = None,
+                   before_publish: Callable[[Path], None] | None = None) -> Path:
         """Writes ``run_dir/step-N`` (N = ``state.step``) atomically, then ``run_dir/latest``.
 
         The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
         sharded; each process's host RNGs and the set-up loader's epoch and position go
         beside it; ``extra_state`` (JSON-safe, process 0's) goes into ``meta.json``, read back
-        with ``accumix.run_dir.extra_state``. Collective: every process calls it, between
-        windows.
+        with ``accumix.checkpoint.extra_state``; ``before_publish(tmp_step_dir)`` (every process)
+        writes more files into the step directory before it is published. Collective: every
+        process calls it, between windows.
 
         Raises:
             LossScaleError: fp16 overflowed at the floor (nothing is written).
@@ -380,7 +415,7 @@ class Accelerator:
         """
         self.check(state)
         return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last,
-                               extra_state=extra_state)
+                               extra_state=extra_state, before_publish=before_publish)
 
     def load_state(self, path: str | os.PathLike[str], state: TrainState) -> TrainState:
         """The state saved at ``path`` (a run directory's latest, or one step directory),

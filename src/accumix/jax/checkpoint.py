@@ -1,4 +1,5 @@
-"""JAX checkpoints through orbax, in the torch side's run-directory layout (``accumix.run_dir``)::
+"""JAX checkpoints through orbax, in the torch side's run-directory layout
+(``accumix.common.run_dir``)::
 
     run_dir/latest, run_dir/step-N/
       state/             the TrainState through orbax (sharded; restores onto any mesh)
@@ -24,7 +25,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from accumix import run_dir as layout
+from accumix.common import run_dir as layout
 from accumix.errors import CheckpointError, ConfigError
 from accumix.jax.state import TrainState
 
@@ -72,7 +73,7 @@ def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int |
         before_publish(tmp)
     _sync(f"accumix-save-written-{step}")
     if acc.is_main_process:
-        loader = acc._loader
+        loader = acc.loader
         meta = {
             "format": FORMAT,
             "backend": "jax",
@@ -118,8 +119,8 @@ def load(acc: Accelerator, path: Path, state: TrainState) -> TrainState:
     host = step_dir / f"process-{jax.process_index()}.json"
     if host.is_file() and meta["num_processes"] == jax.process_count():
         _set_host_rng_state(json.loads(host.read_text()))
-    if acc._loader is not None and meta.get("loader") is not None:
-        acc._loader.load_state_dict(meta["loader"])
+    if acc.loader is not None and meta.get("loader") is not None:
+        acc.loader.load_state_dict(meta["loader"])
     return restored
 
 

@@ -5,7 +5,7 @@ A window is ``[K, rows, ...]`` per leaf, sharded over the mesh's data axis
 mask, and the ``[K, devices]`` mask the step reads (processes may pass windows of different
 lengths). A short window (the end of an epoch) is padded with zeros and masked, so its shapes, and
 the compiled step, stay the same. A torch ``DataLoader`` set up with the state goes through
-``accumix.data.AcceleratedDataLoader`` (the torch side's sampler rules, epochs, and exact
+``accumix.data.loader.AcceleratedDataLoader`` (the torch side's sampler rules, epochs, and exact
 mid-epoch position) and comes out as windows.
 """
 
@@ -106,7 +106,7 @@ def to_numpy(batch: Any) -> Any:
 class WindowLoader:
     """A torch ``DataLoader`` as windows: the last batch of an epoch closes a (short) window.
 
-    Wraps an ``accumix.data.AcceleratedDataLoader`` (sharded over processes, one epoch per
+    Wraps an ``accumix.data.loader.AcceleratedDataLoader`` (sharded over processes, one epoch per
     ``iter()``, resumable mid-epoch). A batch with fewer rows than ``batch_size`` (the epoch's
     tail without ``drop_last``) would change the step's shapes and recompile it: it is dropped,
     with a warning once; the short last window of an epoch is kept, masked.

@@ -13,7 +13,7 @@ import os
 
 import jax
 
-from accumix.launch_env import LaunchEnv, detect_launch_env
+from accumix.common.launch_env import LaunchEnv, detect_launch_env
 
 log = logging.getLogger("accumix")
 

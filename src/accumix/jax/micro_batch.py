@@ -12,9 +12,9 @@ candidate with ``peak(m) <= limit x (1 - headroom)`` wins; the candidates and th
 ``micro_batch_search``'s (memory grows with ``m``, so about log2(#candidates) compilations).
 Every process chooses on its own devices, then the minimum over processes is taken (one
 all-gather), so a process with less memory never runs another K. Given a run directory, the
-answer is cached there (``accumix.micro_batch_cache``'s file and format, under ``cache_key``'s
-JAX key), so a restart with the same settings compiles nothing and one on another world size
-(or device, precision, strategy, shapes...) chooses again.
+answer is cached there (``accumix.memory.micro_batch_cache``'s file and format, under
+``cache_key``'s JAX key), so a restart with the same settings compiles nothing and one on another
+world size (or device, precision, strategy, shapes...) chooses again.
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from accumix.errors import ConfigError
-from accumix.jax.data import make_window
-from accumix.jax.step import build_step
-from accumix.micro_batch_search import (
+from accumix.common.micro_batch_search import (
     MicroBatchChoice,
     candidates,
     check_headroom,
@@ -38,6 +35,9 @@ from accumix.micro_batch_search import (
     is_auto,
     largest_fitting,
 )
+from accumix.errors import ConfigError
+from accumix.jax.data import make_window
+from accumix.jax.step import build_step
 
 if TYPE_CHECKING:
     from accumix.jax.accelerator import Accelerator
@@ -66,12 +66,12 @@ def compiled_peak_bytes(compiled: Any) -> int:
 def window_peak_bytes(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatch,
                       micro_batch_size: int, *, clip_norm: float | None) -> int:
     """``peak(m)``: the window step for ``micro_batch_size`` rows, compiled, not run."""
-    global_batch = acc._batch_sizes[1]
+    global_batch = acc.global_batch_size
     assert global_batch is not None
     steps = global_batch // (acc.world_size * micro_batch_size)
-    jitted = build_step(loss_fn, optimizer=acc._optimizer, strategy=acc.strategy,
+    jitted = build_step(loss_fn, optimizer=acc.optimizer, strategy=acc.strategy,
                         policy=acc.policy, scaler=acc.scaler, grad_accum_steps=steps,
-                        clip_norm=clip_norm, state_shardings=acc._shardings)
+                        clip_norm=clip_norm, state_shardings=acc.state_shardings)
     batch = make_batch(micro_batch_size)
     window = make_window([batch] * steps, grad_accum_steps=steps, strategy=acc.strategy,
                          local_devices=acc.local_devices)
@@ -84,7 +84,7 @@ def cache_key(acc: Accelerator, state: TrainState, make_batch: MakeBatch, *,
     (its ``repr`` holds its memory settings), a one-row batch's shapes and dtypes, the state's
     shapes and dtypes (params and optimizer state: another optimizer or model needs another
     answer), the global batch, the limit, the headroom and the clipping."""
-    from accumix.micro_batch_cache import key_of
+    from accumix.memory.micro_batch_cache import key_of
 
     def shapes(tree: Any) -> str:
         return repr([(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
@@ -95,8 +95,8 @@ def cache_key(acc: Accelerator, state: TrainState, make_batch: MakeBatch, *,
              "device": f"{device.platform}:{device.device_kind}",
              "precision": acc.policy.name, "strategy": repr(acc.strategy),
              "shapes": shapes(make_batch(1)), "params": shapes(state.params),
-             "optimizer": shapes(state.opt_state), "global_batch": acc._batch_sizes[1],
-             "limit": acc._memory_limit, "headroom": headroom, "clip_norm": clip_norm}
+             "optimizer": shapes(state.opt_state), "global_batch": acc.global_batch_size,
+             "limit": acc.memory_limit, "headroom": headroom, "clip_norm": clip_norm}
     return key_of(parts)
 
 
@@ -124,14 +124,14 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
             not even one row fits on some process; a ``headroom`` outside [0, 1).
     """
     check_headroom(headroom)
-    micro, limit_bytes = acc._batch_sizes[2], acc._memory_limit
-    if not is_auto(micro) or acc._optimizer is None:
+    micro, limit_bytes = acc.micro_batch_size, acc.memory_limit
+    if not is_auto(micro) or acc.optimizer is None:
         raise ConfigError("find_micro_batch_size needs micro_batch_size='auto' and "
                           f"acc.setup(params, optimizer) first (micro_batch_size={micro!r})")
     if limit_bytes is None:
         raise ConfigError("micro_batch_size='auto': this device reports no memory size; pass "
                           "memory_limit= in bytes")
-    global_batch = acc._batch_sizes[1]
+    global_batch = acc.global_batch_size
     assert global_batch is not None
     # A process's rows are split over its devices: only multiples of their count can run.
     sizes = [m for m in candidates(global_batch, acc.world_size) if m % acc.local_devices == 0]
@@ -171,9 +171,8 @@ def find(acc: Accelerator, state: TrainState, loss_fn: Any, make_batch: MakeBatc
         peak_bytes=int(at_choice[tightest, 0]), limit_bytes=int(at_choice[tightest, 1]),
         tightest_rank=tightest, probes=int(every[:, 1].max()))
     log.info("%s", choice.describe())
-    acc._micro_batch_choice = choice  # what ``rebatched`` reads when the loader is set up
     if key is not None and jax.process_index() == 0:
-        from accumix.micro_batch_cache import write_cache
+        from accumix.memory.micro_batch_cache import write_cache
 
         write_cache(run_dir, key, agreed)
     return choice
@@ -185,32 +184,32 @@ def _cached(acc: Accelerator, sizes: list[int], run_dir: str | os.PathLike[str] 
     (one all-gather), else None: then every process compiles and chooses."""
     if key is None:
         return None
-    from accumix.micro_batch_cache import read_cache
+    from accumix.memory.micro_batch_cache import read_cache
 
     every = _all_processes([read_cache(run_dir, key) or 0])[:, 0]
     micro = int(every[0])
     if micro not in sizes or (every != micro).any():
         return None
-    global_batch = acc._batch_sizes[1]
-    assert global_batch is not None and acc._memory_limit is not None
+    global_batch = acc.global_batch_size
+    assert global_batch is not None and acc.memory_limit is not None
     choice = MicroBatchChoice(
         micro_batch_size=micro, grad_accum_steps=global_batch // (acc.world_size * micro),
         dp_world_size=acc.world_size, global_batch_size=global_batch, peak_bytes=0,
-        limit_bytes=acc._memory_limit, tightest_rank=0, probes=0)
+        limit_bytes=acc.memory_limit, tightest_rank=0, probes=0)
     log.info("%s (cached in %s)", choice.describe().split(":")[0], run_dir)
-    acc._micro_batch_choice = choice
     return choice
 
 
-def rebatched(acc: Accelerator, loader: Any) -> Any:
+def rebatched(choice: MicroBatchChoice | None, loader: Any) -> Any:
     """The user's DataLoader at the micro-batch ``auto`` chose (whatever batch size it was
     given): the same dataset, sampler (shuffle, generator), collate_fn, workers, so the same
-    exact-resume rules (``accumix.data.with_batch_size``); as given when nothing was chosen."""
-    if getattr(acc, "_micro_batch_choice", None) is None:
+    exact-resume rules (``accumix.data.loader.with_batch_size``); as given when nothing was
+    chosen."""
+    if choice is None:
         return loader
-    from accumix.data import with_batch_size
+    from accumix.data.loader import with_batch_size
 
-    return with_batch_size(loader, acc._micro_batch_choice.micro_batch_size)
+    return with_batch_size(loader, choice.micro_batch_size)
 
 
 def _all_processes(row: list[int]) -> np.ndarray:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from accumix.common.micro_batch_search import candidates
 from accumix.errors import ConfigError
-from accumix.micro_batch_search import candidates
 from accumix.recipes import gpt_jax
 from accumix.recipes.default import (
     MODEL_FILE,
@@ -177,8 +177,8 @@ def set_up(acc: Any, config: TrainConfig, params: Any, documents: int) -> tuple[
 def run(config: TrainConfig) -> int:
     """Trains the recipe with accumix.jax on the processes this one was launched with."""
     import accumix.jax as axj
-    from accumix.jax.trainer_steps import JaxSteps
     from accumix.trainer import ThroughputMonitor, Trainer
+    from accumix.trainer.jax_steps import JaxSteps
 
     started = time.perf_counter()
     acc = axj.Accelerator(strategy=config.strategy, precision=config.precision,

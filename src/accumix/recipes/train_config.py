@@ -100,7 +100,8 @@ class TrainConfig:
         output_dir: the run directory (metrics, checkpoints, plot).
         nproc: processes to launch on this machine: ``auto`` (GPUs, else CPU cores) or N.
         seed: seeds every rank identically (model init, shuffling).
-        strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``deepspeed``.
+        strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``hsdp`` (several
+            nodes), ``deepspeed``.
         precision: ``auto``, ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``.
         compile: ``torch.compile`` the model (inductor) after the strategy wrapped it
             (``Accelerator(compile=True)``); the JAX backend always jits and ignores it.

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.accumulation import rescale_grads_
-from accumix.compile import Compiler
-from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
 from accumix.precision import LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.runtime.env import LaunchEnv
+from accumix.step.accumulation import rescale_grads_
+from accumix.step.compile import Compiler
 from accumix.strategies.norm_layers import broadcast_buffers_
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -242,7 +242,9 @@ class Strategy:
         the backend shards, so it reshards on load). Backends whose state it cannot read
         (ZeroRedundancyOptimizer, DeepSpeed's engine) override both checkpoint methods.
         """
-        from accumix.dcp_state import save_sharded  # DCP's import costs ~1 s: only when used
+        from accumix.checkpoint.dcp_state import (
+            save_sharded,  # DCP's import costs ~1 s: only when used
+        )
 
         if self._distributed:
             # DCP writes a replicated buffer from whichever rank its de-duplication picks;
@@ -258,7 +260,7 @@ class Strategy:
         """Reads what ``save_checkpoint`` wrote into the set-up models and optimizers, in place
         (collective); the world size may differ from the saving run's. ``strict``: the models'
         keys must be the checkpoint's (False: load the keys both have)."""
-        from accumix.dcp_state import load_sharded
+        from accumix.checkpoint.dcp_state import load_sharded
 
         load_sharded(directory, models, optimizers, strict=strict)
 

@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from accumix.compile import Compiler
 from accumix.errors import ConfigError
+from accumix.step.compile import Compiler
 from accumix.strategies.base import Strategy
 
 

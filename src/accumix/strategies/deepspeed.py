@@ -58,11 +58,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.accumulation import rescale_grads_
-from accumix.compile import Compiler, reporting_failures
 from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.step.accumulation import rescale_grads_
+from accumix.step.compile import Compiler, reporting_failures
 from accumix.strategies import deepspeed_probe, deepspeed_state
 from accumix.strategies.base import Strategy
 from accumix.strategies.deepspeed_config import (
@@ -83,6 +83,7 @@ from accumix.strategies.deepspeed_engine import (
 )
 from accumix.strategies.deepspeed_loss_scale import EngineLossScale
 from accumix.strategies.memory_format import make_parameters_contiguous_
+from accumix.strategies.node_groups import check_groups_within_nodes, hpz_partition_size
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
 from accumix.strategies.optimizer_exactness import check_deepspeed
 
@@ -106,20 +107,35 @@ class DeepSpeedStrategy(Strategy):
         config: more DeepSpeed settings, a dict or a JSON file path, merged over accumix's; a
             value contradicting accumix's (batch sizes, K, stage, precision, clipping, loss
             scale, an optimizer or scheduler block) is a ``ConfigError``.
+        hpz: ZeRO++'s hierarchical partitioning (stage 3, several nodes): ``"node"`` keeps a
+            secondary copy of the parameters partitioned over the ranks of each node
+            (``zero_hpz_partition_size``), so the backward's all-gathers stay inside the
+            node; an integer partitions over that many consecutive ranks of a node. The
+            forward's all-gathers and the gradients' reduce-scatter (every micro-step, as in
+            ZeRO-3) still span all ranks: for one crossing per step use ``"hsdp"``.
 
     Raises:
         ConfigError: DeepSpeed is not installed (``pip install 'accumix[deepspeed]'``), a bad
-            stage or config, or fp16 on a device where DeepSpeed has no fp16.
+            stage or config, fp16 on a device where DeepSpeed has no fp16, or ``hpz`` with a
+            stage other than 3, on one node, or not within a node.
     """
 
     name = "deepspeed"
 
-    def __init__(self, *, stage: int = 2, config: dict[str, Any] | str | Path | None = None
-                 ) -> None:
+    def __init__(self, *, stage: int = 2, config: dict[str, Any] | str | Path | None = None,
+                 hpz: str | int | None = None) -> None:
         super().__init__()
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ConfigError(f"DeepSpeedStrategy(stage={stage!r}) is invalid; use 1, 2 or 3")
-        self.stage = stage
+        if hpz is not None and not (hpz == "node" or (
+                isinstance(hpz, int) and not isinstance(hpz, bool) and hpz >= 2)):
+            raise ConfigError(f"DeepSpeedStrategy(hpz={hpz!r}) is invalid; use 'node', an "
+                              "integer >= 2 (ranks of a node), or None")
+        if hpz is not None and stage != 3:
+            raise ConfigError(f"DeepSpeedStrategy(hpz={hpz!r}) partitions ZeRO-3's parameters; "
+                              f"use stage=3 with it (not stage={stage})")
+        self.stage, self.hpz = stage, hpz
+        self.hpz_partition_size: int | None = None
         self.user_config = read_user_config(config)
         import_deepspeed()  # fail at construction, not at the first setup
         self._fp16: DynamicLossScale | None = None
@@ -135,6 +151,8 @@ class DeepSpeedStrategy(Strategy):
     def connect(self, *, launch: Any, device: torch.device, policy: Policy,
                 scaler: LossScaler) -> None:
         super().connect(launch=launch, device=device, policy=policy, scaler=scaler)
+        if self.hpz is not None:
+            self.hpz_partition_size = hpz_partition_size(self.hpz, launch)
         if isinstance(scaler, DynamicLossScale):
             self._fp16 = scaler
             self.scaler = EngineLossScale(scaler, self._engines)
@@ -171,6 +189,7 @@ class DeepSpeedStrategy(Strategy):
             stage=self.stage, grad_accum_steps=self.grad_accum_steps,
             micro_batch_size=self.micro_batch_size, dp_world_size=self.dp_world_size,
             policy=self.policy, loss_scale=self._fp16, user_config=self.user_config,
+            hpz_partition_size=self.hpz_partition_size,
         )
         # accumix vouches for the element-wise optimizers DeepSpeed has not listed (SGD, ...);
         # any other runs only where the user's config accepts it.
@@ -178,6 +197,10 @@ class DeepSpeedStrategy(Strategy):
                         is True)
         config.setdefault("zero_allow_untested_optimizer", True)
         self._ensure_process_group()
+        if self.hpz_partition_size is not None:  # DeepSpeed groups consecutive ranks
+            check_groups_within_nodes(self.all_gather_object(self.launch.node_rank),
+                                      self.hpz_partition_size,
+                                      f"DeepSpeedStrategy(hpz={self.hpz!r}) partitions")
         skip_cpu_shm_build()
         # Read before the engine takes the optimizer over (ZeRO-3 re-points its groups at flat
         # partitions): a trainable parameter outside it has no fp32 master to save.
@@ -270,7 +293,7 @@ class DeepSpeedStrategy(Strategy):
 
     def probe_settings(self) -> dict[str, Any]:
         # The user's config holds the bucket sizes, overlap_comm, contiguous_gradients, ...
-        return {"stage": self.stage, "config": self.user_config}
+        return {"stage": self.stage, "config": self.user_config, "hpz": self.hpz_partition_size}
 
     def probe_backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         deepspeed_probe.probe_backward(loss, self._engine(model))

@@ -85,6 +85,7 @@ def deepspeed_config(
     policy: Policy,
     loss_scale: DynamicLossScale | None,
     user_config: dict[str, Any] | str | Path | None = None,
+    hpz_partition_size: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config for accumix's settings, with the user's config merged in.
 
@@ -97,6 +98,7 @@ def deepspeed_config(
         policy: the precision; fp16 compute gives the fp16 block, bf16 the bf16 block.
         loss_scale: the fp16 settings (None: ``DynamicLossScale()`` defaults).
         user_config: a dict or a JSON file path, merged over the defaults.
+        hpz_partition_size: ZeRO++'s secondary partition (``DeepSpeedStrategy(hpz=)``).
 
     Returns:
         A new dict for ``deepspeed.initialize(config=...)``.
@@ -120,6 +122,9 @@ def deepspeed_config(
         "fp16.enabled": (half == torch.float16, f"precision={policy.name!r}"),
         "bf16.enabled": (half == torch.bfloat16, f"precision={policy.name!r}"),
     }
+    if hpz_partition_size is not None:
+        fixed["zero_optimization.zero_hpz_partition_size"] = (hpz_partition_size,
+                                                              "DeepSpeedStrategy(hpz=)")
     if half == torch.float16:
         for key, value in fp16_block(loss_scale or DynamicLossScale()).items():
             fixed.setdefault(f"fp16.{key}", (value, "loss_scale=DynamicLossScale(...)"))

@@ -1,7 +1,7 @@
 """DeepSpeed's engine state in the checkpoint format the other strategies share (DCP).
 
-``save_sharded`` (``accumix.dcp_state``) writes, for model ``i``, ``model{i}.<fqn>`` (the plain
-module's state dict) and ``optim{i}`` in torch's FQN-keyed optimizer form::
+``save_sharded`` (``checkpoint/dcp_state.py``) writes, for model ``i``, ``model{i}.<fqn>`` (the
+plain module's state dict) and ``optim{i}`` in torch's FQN-keyed optimizer form::
 
     {"state": {fqn: {"step": t, "exp_avg": full tensor, ...}},
      "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}]}
@@ -68,7 +68,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix import dcp_state
+from accumix.checkpoint import dcp_state
 from accumix.errors import CheckpointError
 
 

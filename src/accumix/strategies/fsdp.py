@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
-from accumix.compile import Compiler
 from accumix.errors import ConfigError
-from accumix.param_counts import repeated_blocks
+from accumix.memory.param_counts import repeated_blocks
+from accumix.step.compile import Compiler
 from accumix.strategies.base import Strategy, grad_mark
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_units
@@ -55,7 +55,8 @@ class FSDPStrategy(Strategy):
             for its backward (least memory); ``"grad_op"`` keeps them gathered from forward to
             backward (one all-gather per unit per micro-step instead of two).
         wrap: module classes to make FSDP units (e.g. ``[TransformerBlock]``); None finds the
-            repeated blocks (``accumix.param_counts.repeated_blocks``). The root is always a unit.
+            repeated blocks (``accumix.memory.param_counts.repeated_blocks``). The root is always a
+            unit.
         parallelize_fn: ``fn(model, mesh) -> model`` applying ``fully_shard`` itself
             (torchtitan style), instead of ``wrap``; mixed precision is then its own business.
         reduce_dtype: dtype of the gradient reduce-scatter; None takes the precision policy's
@@ -125,7 +126,7 @@ class FSDPStrategy(Strategy):
         if self.activation_checkpointing:
             for block in blocks:
                 _checkpoint_forward(block)
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.mesh = self.device_mesh()
         if self.parallelize_fn is not None:
             model = self.parallelize_fn(model, self.mesh)
         else:
@@ -140,6 +141,11 @@ class FSDPStrategy(Strategy):
         for optimizer in optimizers:
             _repoint(optimizer, names, new_params)
         return model, optimizers
+
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` shards over (collective): every rank in one dimension. A
+        subclass with more dimensions (hsdp's replicate x shard) overrides it."""
+        return init_device_mesh(self.device.type, (self.world_size,))
 
     def _blocks(self, model: nn.Module) -> list[nn.Module]:
         if self.wrap is None:

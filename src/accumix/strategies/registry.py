@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.env import LaunchEnv
 from accumix.errors import ConfigError
-from accumix.memory import PRECISIONS, choose_strategy, device_free_bytes, estimate_memory
+from accumix.memory.model import PRECISIONS, choose_strategy, device_free_bytes, estimate_memory
 from accumix.precision import Policy
+from accumix.runtime.env import LaunchEnv
 from accumix.strategies.base import Strategy
 
 log = logging.getLogger("accumix")
@@ -27,6 +27,7 @@ _STRATEGIES = {
     "ddp": "accumix.strategies.ddp:DDPStrategy",
     "zero1": "accumix.strategies.zero1:ZeRO1Strategy",
     "fsdp": "accumix.strategies.fsdp:FSDPStrategy",
+    "hsdp": "accumix.strategies.hsdp:HSDPStrategy",
     "deepspeed": "accumix.strategies.deepspeed:DeepSpeedStrategy",
 }
 STRATEGY_WORDS = ("auto", *_STRATEGIES)
@@ -88,12 +89,15 @@ def choose_auto_strategy(
     world_size: int,
     device_bytes: int,
     headroom: float = 0.8,
+    ranks_per_node: int | None = None,
 ) -> tuple[Strategy, str]:
     """What ``strategy="auto"`` becomes once the model is known: the memory model's choice.
 
     One process is ``single``; otherwise the least communication whose model states fit
     ``headroom * device_bytes`` per rank: ddp, then zero1, fsdp ``grad_op``, fsdp ``full``
-    (``accumix.memory.choose_strategy``; fsdp ``full`` also when nothing fits).
+    (``accumix.memory.model.choose_strategy``; fsdp ``full`` also when nothing fits). On
+    several nodes hsdp (``grad_op``, then ``full``) comes right after ddp: a model that fits
+    sharded within a node then crosses the link between nodes once per step.
 
     Args:
         model: the user's plain model (its parameters are counted).
@@ -102,6 +106,8 @@ def choose_auto_strategy(
         world_size: data-parallel ranks.
         device_bytes: memory one rank may use, the same number on every rank.
         headroom: fraction of ``device_bytes`` the model states may take.
+        ranks_per_node: the ranks of one node when the world spans several (the launch's
+            ``local_world_size``); None: one node.
 
     Returns:
         A fresh (unconnected) strategy and the one-line reason for the log.
@@ -109,10 +115,10 @@ def choose_auto_strategy(
     estimates = estimate_memory(
         model, world_size=world_size, precision=_precision_word(policy),
         optimizer_states=_optimizer_states(optimizers), device_bytes=device_bytes,
-        headroom=headroom,
+        headroom=headroom, ranks_per_node=ranks_per_node,
     )
     choice = choose_strategy(estimates, device_bytes=device_bytes, headroom=headroom,
-                             world_size=world_size)
+                             world_size=world_size, ranks_per_node=ranks_per_node)
     cls = strategy_class(choice.strategy)
     strategy = cls(sharding=choice.sharding) if choice.sharding else cls()  # type: ignore[call-arg]
     return strategy, choice.reason

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
+from accumix.common.hardware import peak_flops_by_name
 from accumix.errors import AccumixError, ConfigError
-from accumix.hardware import peak_flops_by_name
 from accumix.trainer.events import Callback
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from accumix import run_dir as layout
+from accumix.common import run_dir as layout
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
-from accumix.data import move_to_device
+from accumix.data.loader import move_to_device
 from accumix.errors import ConfigError
 from accumix.trainer.metrics import batch_samples, split_loss
 

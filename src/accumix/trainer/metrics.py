@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 # The step function's result and a batch's rows are read where the safety net splits batches.
-from accumix.oom_split import batch_samples, split_loss  # noqa: F401 - re-exported
+from accumix.memory.oom_split import batch_samples, split_loss  # noqa: F401 - re-exported
 from accumix.trainer.system_metrics import SystemSampler, system_columns
 
 # One gathered row per rank: the window's sums and this rank's own measurements (the norm is

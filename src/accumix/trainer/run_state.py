@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from accumix import run_dir as layout
+from accumix.common import run_dir as layout
 
 if TYPE_CHECKING:
     from accumix.trainer.events import Callback

@@ -25,12 +25,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from accumix import checkpoint
 from accumix.accelerator import Accelerator
-from accumix.data import AcceleratedDataLoader
+from accumix.common.micro_batch_search import is_auto
+from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
-from accumix.micro_batch_probe import batch_maker, needs_choice
-from accumix.optim import AcceleratedOptimizer
+from accumix.memory.micro_batch_probe import batch_maker
+from accumix.step.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
 from accumix.trainer.metrics import (
     WindowMeter,
@@ -73,7 +73,7 @@ class TorchSteps:
             self.scheduler = scheduler
         else:
             objects = [model, optimizer, train_loader] + ([scheduler] if scheduler else [])
-            if needs_choice(acc):  # micro_batch_size="auto": chosen before the loader is set up
+            if is_auto(acc.micro_batch_size):  # chosen before the loader is set up
                 model, optimizer = acc.setup(model, optimizer)
                 step = step_fn or default_step
                 acc.find_micro_batch_size(lambda batch: step(model, batch),
@@ -190,10 +190,10 @@ class TorchSteps:
 
     def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
              before_publish: Callable[[Path], None] | None = None) -> Path:
-        # checkpoint.save_state is acc.save_state with the callbacks' files written before
-        # ``latest`` moves (a crash in between must not publish a checkpoint without them).
-        return checkpoint.save_state(self.accelerator, run_dir, keep_last=keep_last or None,
-                                     extra_state=extra_state, before_publish=before_publish)
+        # The callbacks' files are written before ``latest`` moves (a crash in between must
+        # not publish a checkpoint without them).
+        return self.accelerator.save_state(run_dir, keep_last=keep_last or None,
+                                           extra_state=extra_state, before_publish=before_publish)
 
     def load(self, path: Path) -> None:
         self.accelerator.load_state(path)

@@ -6,12 +6,13 @@ The loop is backend-free. A *steps* object runs the training itself and calls
     while not done:
         steps.run_epoch(trainer)       # torch: micro-steps through the Accelerator
                                        # (torch_steps.py); JAX: one jitted call per window
+                                       # (jax_steps.py)
         per optimizer step: end_window -> callbacks -> evaluation -> the logged row ->
                             checkpoint
 
 ``Trainer(model=, optimizer=, train_loader=, ...)`` builds the torch steps;
-``Trainer(steps=...)`` takes any other backend's (``accumix.jax.JaxSteps``). The steps object
-provides ``accelerator``, ``optimizer_steps``, ``epoch``, ``batches_per_epoch``,
+``Trainer(steps=...)`` takes any other backend's (``accumix.trainer.jax_steps.JaxSteps``). The
+steps object provides ``accelerator``, ``optimizer_steps``, ``epoch``, ``batches_per_epoch``,
 ``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last,
 extra_state)`` (``extra_state``: the loop's and callbacks' JSON state, kept in the checkpoint's
 ``meta.json``), ``load(path)`` and optionally ``close()`` (called when ``fit`` ends).
@@ -76,7 +77,7 @@ class Trainer:
             default ``model(**batch)`` / ``model(*batch)``.
         val_step_fn: the same for validation (default: ``step_fn``).
         steps: instead of the torch objects above, another backend's steps object (e.g.
-            ``accumix.jax.JaxSteps``), which owns the model, optimizer and data.
+            ``accumix.trainer.jax_steps.JaxSteps``), which owns the model, optimizer and data.
         max_steps: stop after this many real optimizer steps.
         max_epochs: stop after this many epochs (whichever of the two comes first).
         eval_every: evaluate every this many steps (and at the end); None: only at the end.

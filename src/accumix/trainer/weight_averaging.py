@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from accumix import run_dir as layout
+from accumix.common import run_dir as layout
 from accumix.errors import CheckpointError, ConfigError
 from accumix.trainer.average_shards import PREFIX, Holder, named_floating
 from accumix.trainer.events import Callback
@@ -188,9 +188,10 @@ class WeightAveraging(Callback):
         Returns:
             The file's path.
         """
-        from accumix.model_file import write_full_state
+        from accumix.checkpoint.model_file import write_full_state
 
-        return write_full_state(trainer.accelerator, self.full_state_dict(trainer), directory)
+        return write_full_state(trainer.accelerator.strategy, self.full_state_dict(trainer),
+                                directory)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -206,7 +207,7 @@ class WeightAveraging(Callback):
     def on_write_checkpoint(self, trainer: Trainer, directory: Path) -> None:
         # Into the step directory before it is published: ``latest`` never names a checkpoint
         # without its average, and its manifest lists (and a load checks) the average's files.
-        from accumix import dcp_state
+        from accumix.checkpoint import dcp_state
 
         if self._backup is not None:  # the model files just written hold the average
             raise ConfigError(
@@ -237,7 +238,7 @@ class WeightAveraging(Callback):
         self._seen_steps = acc.optimizer_steps
 
     def _load_dcp(self, directory: Path) -> None:
-        from accumix import dcp_state
+        from accumix.checkpoint import dcp_state
 
         reader = dcp_state.SafeReader(str(directory))
         saved = set(reader.read_metadata().state_dict_metadata)

@@ -48,7 +48,7 @@ def process_rank() -> int:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
-    from accumix.launch_env import detect_launch_env
+    from accumix.common.launch_env import detect_launch_env
 
     return detect_launch_env().rank
 

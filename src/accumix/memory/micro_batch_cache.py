@@ -1,0 +1,78 @@
+"""Where ``micro_batch_size="auto"`` keeps its answer: ``<run_dir>/micro_batch_auto.json``, one
+entry per key of what the answer depends on, so a restart with the same settings skips the
+probe and one on another world size (or device, precision, strategy...) probes again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from accumix.memory.peak_memory import device_model
+
+if TYPE_CHECKING:
+    from accumix.step.run_state import RunState
+
+CACHE_FILE = "micro_batch_auto.json"
+
+
+def cache_key(run: RunState, sample: Any, global_batch: int, headroom: float) -> str:
+    """What the answer depends on: world, precision, strategy and its memory settings
+    (``Strategy.probe_settings``), the shapes of a one-row batch
+    (``sample``), the device model, the parameters' shapes and dtypes, the optimizers, the
+    global batch, the limit and the headroom."""
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(sample)
+              if isinstance(t, torch.Tensor)]
+    # Every parameter's shape, dtype and trainability, and each optimizer's class: a model of
+    # the same size but other shapes (wider activations) or dtype, a frozen part or another
+    # optimizer's states needs another answer, which a parameter count alone would not key.
+    params = repr([(tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for model in run.models for p in model.parameters()])
+    optimizers = [type(run.strategy.state_optimizer(o.optimizer)).__name__
+                  for o in run.optimizers]
+    parts = {"world": run.strategy.dp_world_size, "precision": run.policy.name,
+             "strategy": run.strategy.name, "shapes": repr(shapes),
+             # Its memory settings: a DeepSpeed bucket size, FSDP's activation checkpointing.
+             "strategy_settings": run.strategy.probe_settings(),
+             "device": device_model(run.device), "params": params,
+             "optimizers": optimizers,
+             "global_batch": global_batch, "limit": run.memory_limit, "headroom": headroom}
+    return key_of(parts)
+
+
+def key_of(parts: dict[str, Any]) -> str:
+    """A short stable hash of ``parts`` (what an answer depends on), for either backend."""
+    text = json.dumps(parts, sort_keys=True, default=repr)  # a config value JSON has no form for
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_cache(run_dir: str | os.PathLike[str] | None, key: str) -> int | None:
+    """The cached micro-batch for ``key``, or None (no run directory, file or entry)."""
+    if run_dir is None:
+        return None
+    try:
+        entries = json.loads((Path(run_dir) / CACHE_FILE).read_text())
+        return int(entries[key]["micro_batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_cache(run_dir: str | os.PathLike[str] | None, key: str, micro: int) -> None:
+    """Adds ``key``'s answer to the run directory's file (atomically; rank 0 calls it)."""
+    if run_dir is None:
+        return
+    path = Path(run_dir) / CACHE_FILE
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {"micro_batch_size": micro}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(tmp, path)

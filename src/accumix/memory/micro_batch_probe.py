@@ -1,0 +1,384 @@
+"""``micro_batch_size="auto"`` on torch: probe the set-up model, agree across ranks, choose.
+
+Each candidate size n (``micro_batch_search.candidates``: the divisors of G / world, so K is an
+integer) is probed by bisection. One probe runs on every rank, under the real strategy and
+precision, what a window's micro-step allocates at its worst:
+
+* the user's step (forward + loss) on ``make_batch(n)``, the longest batch the data can give,
+  under the precision's autocast, and its backward (scaled as fp16 scales it) with gradient
+  communication off, as off the boundary: the window holds these gradients (under FSDP the
+  unsharded ones), and no collective of the backend runs in the backward;
+* the first optimizer step's allocations: an optimizer with no state yet (the one holding
+  this rank's states, ``Strategy.state_optimizer``: ZeRO-1's local partition) is copied with
+  ``lr=0`` over the same parameters and stepped once, so its states are allocated and measured
+  while the real optimizer stays untouched (one with state already is part of the baseline).
+
+On CPU, which has no out-of-memory error before the kernel's OOM killer, the two smallest
+sizes are probed first and a size their peaks predict at twice its budget is not run.
+
+**Agreement without a hang.** The decision is the minimum over ranks: one ``all_gather`` of
+``[failed, peak, limit]`` per probe. An out-of-memory error on one rank must not leave the
+others inside a collective it will never join (FSDP all-gathers in forward and backward; DDP
+broadcasts buffers before its forward). So every place the backend may communicate is preceded
+by a *checkpoint*, the same gather of ``[0, 0, 0]``: a forward pre-hook (run before the
+strategy's own) and a hook on the outputs' gradients (run before the strategy's pre-backward) of
+each unit that communicates (``Strategy.probe_units``), and one before the backward. A rank
+that fails stops and makes exactly one more gather, ``[1, 0, 0]`` (``[2, 0, 0]`` for an error
+other than out-of-memory, which is then raised on every rank); the other ranks meet it at
+their next checkpoint, see the flag and stop there too. Every rank so makes the same number of
+gathers, and no backend collective is ever started on one rank alone. (DeepSpeed reduces
+from hooks inside its backward, out of reach of a checkpoint: ``Strategy.probe_mode`` and
+``probe_backward`` run its probe beside the engine, with no collective in the backward,
+``strategies/deepspeed_probe``.)
+
+**Probing changes nothing.** Parameters and buffers (this rank's shards) are copied to the host
+once before the search and copied back after it; every RNG stream (python, numpy, torch, CUDA)
+is captured and restored; gradients the probe made are dropped (``Strategy.clear_gradients``);
+the loss scale is read, never updated; the accumulation window and the loaders are not touched
+(the loader is set up after the choice). An ``auto`` run is therefore bit-identical to the run
+given the chosen size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from accumix.checkpoint import rng_state
+from accumix.common.micro_batch_search import (
+    DEFAULT_HEADROOM,
+    MicroBatchChoice,
+    candidates,
+    check_headroom,
+    fits_with_headroom,
+    is_auto,
+    largest_fitting,
+)
+from accumix.data.loader import move_to_device
+from accumix.errors import AccumixError, ConfigError
+from accumix.memory.micro_batch_agreement import (
+    ERROR,
+    OOM,
+    Agreement,
+    PeerFailed,
+    ProbeError,
+    checkpoint_hooks,
+)
+from accumix.memory.micro_batch_cache import cache_key, read_cache, write_cache
+from accumix.memory.peak_memory import PeakMeter, release_cached
+from accumix.step import accum_steps
+
+if TYPE_CHECKING:
+    from accumix.step.run_state import RunState
+
+log = logging.getLogger("accumix")
+
+StepFn = Callable[[Any], Any]
+MakeBatch = Callable[[int], Any]
+
+
+def find_micro_batch_size(run: RunState, step: StepFn, make_batch: MakeBatch, *,
+                          headroom: float, run_dir: str | os.PathLike[str] | None) -> int:
+    """``Accelerator.find_micro_batch_size``: chooses, then gives ``acc`` the micro-batch and
+    the K that follows (the window, the strategy's batch geometry, what loaders get)."""
+    steps, global_batch, micro = run.batch_sizes
+    if not is_auto(micro) or run.micro_batch_choice is not None or not run.models:
+        raise ConfigError(f"find_micro_batch_size needs micro_batch_size='auto' (got "
+                          f"{micro!r}), called once, after acc.setup(model, optimizer)")
+    if steps is not None:
+        raise ConfigError(f"grad_accum_steps={steps} with micro_batch_size='auto': K follows "
+                          "from the chosen size; give global_batch_size only")
+    choice = choose_micro_batch(run, step, make_batch, headroom=headroom, run_dir=run_dir)
+    run.micro_batch_choice = choice
+    run.batch_sizes = (steps, global_batch, choice.micro_batch_size)
+    run.window.grad_accum_steps = accum_steps.derive(run, choice.micro_batch_size) or 1
+    run.steps_known = True
+    run.strategy.set_batch_geometry(micro_batch_size=choice.micro_batch_size,
+                                    grad_accum_steps=run.grad_accum_steps)
+    return choice.micro_batch_size
+
+
+def choose_micro_batch(run: RunState, step: StepFn, make_batch: MakeBatch, *,
+                       headroom: float = DEFAULT_HEADROOM,
+                       run_dir: str | os.PathLike[str] | None = None) -> MicroBatchChoice:
+    """The largest candidate micro-batch that fits on every rank (collective).
+
+    Args:
+        acc: the Accelerator, its models and optimizers set up.
+        step: ``step(batch) -> loss`` (or ``(loss_sum, num_items)``, or an object with ``.loss``).
+        make_batch: ``make_batch(n)``: a batch of n rows, the longest the data can give.
+        headroom: the fraction of the limit left free.
+        run_dir: where the answer is cached, keyed by what it depends on; None: no cache.
+
+    Raises:
+        ConfigError: not even a micro-batch of 1 fits, or a bad ``headroom``.
+    """
+    check_headroom(headroom)
+    _, global_batch, _ = run.batch_sizes
+    world = run.strategy.dp_world_size
+    sizes = candidates(global_batch, world)
+    for model in run.models:  # a strategy that cannot be probed refuses here, on every rank
+        run.strategy.probe_units(model)
+    rng = rng_state.capture(run)  # make_batch and the probes may draw: restored at the end
+    try:
+        return _choose(run, step, make_batch, sizes, headroom, run_dir)
+    finally:
+        rng_state.restore(run, rng)
+
+
+def _choose(run: RunState, step: StepFn, make_batch: MakeBatch, sizes: list[int],
+            headroom: float, run_dir: str | os.PathLike[str] | None) -> MicroBatchChoice:
+    _, global_batch, _ = run.batch_sizes
+    world, limit = run.strategy.dp_world_size, run.memory_limit
+    key = cache_key(run, make_batch(1), global_batch, headroom)
+    cached = read_cache(run_dir, key)
+    agreed = run.strategy.all_gather(torch.tensor([cached or 0], device=run.device))
+    if all(int(t.item()) in sizes for t in agreed) and len({int(t.item()) for t in agreed}) == 1:
+        micro = int(agreed[0].item())
+        choice = MicroBatchChoice(micro_batch_size=micro, grad_accum_steps=global_batch // (
+            micro * world), dp_world_size=world, global_batch_size=global_batch,
+            peak_bytes=0, limit_bytes=limit, tightest_rank=0, probes=0)
+        log.info("%s (cached in %s)", choice.describe().split(":")[0], run_dir)
+        return choice
+    results: dict[int, list[list[float]]] = {}
+    verdicts: dict[int, bool] = {}
+
+    def fits(n: int, tolerate: bool = False) -> bool:
+        if n not in verdicts:
+            if verdicts.get(sizes[0]) is False or _far_over(results, sizes, n, headroom):
+                verdicts[n] = False
+            else:
+                rows = _probe(run, step, make_batch, n, limit, tolerate=tolerate)
+                if rows is not None:
+                    results[n] = rows
+                verdicts[n] = rows is not None and all(
+                    fits_with_headroom(int(peak), int(lim), headroom) for _, peak, lim in rows)
+        return verdicts[n]
+
+    raised: dict[int, str] = {}  # sizes whose step raised (BatchNorm refusing 1 row)
+    with _parameters_preserved(run):
+        if run.device.type == "cpu":
+            # No out-of-memory error on CPU before the kernel kills the process: the two
+            # smallest sizes first give each rank's bytes per row, and a size predicted far past
+            # the limit is not run (``_far_over``).
+            for n in sizes[:2]:
+                try:
+                    fits(n, tolerate=True)
+                except ProbeError as exc:  # no prediction; the search goes on without n, which
+                    raised[n] = str(exc)   # cannot run (the bisection came back to it and
+                    # raised the model's own error when no larger size fitted)
+        runnable = [n for n in sizes if n not in raised]
+        best, _ = largest_fitting(runnable, fits) if runnable else (None, 0)
+    probes = len(results)
+    if best is None:
+        smallest = runnable[0] if runnable else sizes[0]
+        detail = (f"peak {results[smallest]} [failed, peak, limit] per rank"
+                  if smallest in results else "a rank ran out of memory")
+        detail += "".join(f"; {n} row(s) raised {message}" for n, message in raised.items())
+        raise ConfigError(f"micro_batch_size='auto': not even a micro-batch of {smallest} fits "
+                          f"in memory_limit={limit} bytes with headroom {headroom} ({detail}); "
+                          "use a larger memory_limit, a sharding strategy (fsdp) or a smaller "
+                          "model")
+    rows = results[best]
+    tightest = max(range(len(rows)), key=lambda r: rows[r][1] / max(rows[r][2], 1))
+    choice = MicroBatchChoice(
+        micro_batch_size=best, grad_accum_steps=global_batch // (best * world),
+        dp_world_size=world, global_batch_size=global_batch, peak_bytes=int(rows[tightest][1]),
+        limit_bytes=int(rows[tightest][2]), tightest_rank=tightest, probes=probes)
+    log.info(choice.describe())
+    if run.is_main_process:
+        write_cache(run_dir, key, best)
+    return choice
+
+
+def measure(run: RunState, step: StepFn, make_batch: MakeBatch, n: int) -> PeakMeter | None:
+    """One probe of size n (collective), state restored: this rank's meter (``peak``, and
+    ``growth`` above the bytes alive before), or None when some rank ran out of memory."""
+    rng = rng_state.capture(run)
+    try:
+        with _parameters_preserved(run):
+            meter = PeakMeter(run.device)
+            rows = _probe(run, step, make_batch, n, run.memory_limit, meter)
+    finally:
+        rng_state.restore(run, rng)
+    return None if rows is None else meter
+
+
+def _far_over(results: dict[int, list[list[float]]], sizes: list[int], n: int,
+              headroom: float) -> bool:
+    """Whether size n is predicted, on some rank, at twice its budget or more: the peak is
+    affine in the rows, fitted through the two smallest sizes' peaks (gathered, so every rank
+    predicts the same and they skip the same probes)."""
+    if len(sizes) < 2 or sizes[0] not in results or sizes[1] not in results:
+        return False
+    a, b = sizes[0], sizes[1]
+    for low, high in zip(results[a], results[b], strict=True):
+        per_row = max(high[1] - low[1], 0.0) / (b - a)
+        if low[1] + (n - a) * per_row > 2 * low[2] * (1 - headroom):
+            return True
+    return False
+
+
+def _probe(run: RunState, step: StepFn, make_batch: MakeBatch, n: int, limit: int,
+           meter: PeakMeter | None = None, tolerate: bool = False) -> list[list[float]] | None:
+    """One probe of size n on every rank: each rank's ``[0, peak, limit]``, or None when a rank
+    ran out of memory (then every rank returns None, having made the same collectives).
+
+    Raises:
+        ProbeError: ``tolerate`` and a rank's step raised another error (on every rank).
+    """
+    agreement = Agreement(run)
+    meter = meter or PeakMeter(run.device)
+    failed = 0.0
+    rows = None
+    error: Exception | None = None
+    said = "an error on another rank"  # what a tolerant probe's ProbeError says
+    try:
+        with checkpoint_hooks(run, agreement), meter.measure():
+            _step_once(run, step, make_batch(n), agreement)
+        rows = agreement.final(meter.peak, limit)
+    except torch.OutOfMemoryError:
+        failed = OOM
+    except PeerFailed:
+        pass
+    except Exception as exc:  # the user's error: every rank stops at the same gather first
+        failed, error = ERROR, None if tolerate else exc
+        said = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    finally:
+        for model in run.models:
+            run.strategy.clear_gradients(model)
+    release_cached(run.device)  # outside the handler: its traceback (and tensors) is gone
+    if failed:
+        agreement.fail(failed)
+    if agreement.kind == ERROR:
+        if tolerate:
+            raise ProbeError(said)
+        if error is not None:
+            raise error
+        raise AccumixError(f"micro_batch_size='auto': another rank's step raised while probing "
+                           f"{n} rows; its error is in its log")
+    return rows
+
+
+def _step_once(run: RunState, step: StepFn, batch: Any, agreement: Agreement) -> None:
+    """Forward, backward without gradient communication, and the optimizers' first states."""
+    batch = move_to_device(batch, run.device)
+    with ExitStack() as no_sync:
+        for model in run.models:
+            no_sync.enter_context(run.strategy.probe_mode(model))
+        try:
+            loss = _loss_of(step(batch))
+            agreement.checkpoint()  # the backward may communicate (FSDP all-gathers)
+            scale = run.strategy.scaler.scale
+            run.strategy.probe_backward(loss * scale if scale != 1.0 else loss,
+                                        run.models[0] if run.models else None)
+            del loss, batch
+        finally:  # still without gradient sync: a stopped backward's cleanup must not talk
+            for model in run.models:
+                run.strategy.clear_gradients(model)
+    _allocate_optimizer_states(run)
+
+
+def _allocate_optimizer_states(run: RunState) -> None:
+    """Allocates what each stateless optimizer's first step would, without stepping it."""
+    for wrapped in run.optimizers:
+        optimizer = run.strategy.state_optimizer(wrapped.optimizer)
+        if optimizer.state:
+            continue
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        made = [p for p in params if p.grad is None]
+        for p in made:  # at the boundary these hold the (reduced) window's gradients
+            p.grad = torch.zeros_like(p)
+        groups = [{**g, "lr": 0.0} for g in optimizer.param_groups]
+        # Each group carries every hyper-parameter; the constructor gets the defaults it names.
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        try:
+            shadow = type(optimizer)(groups, **defaults)
+        except (TypeError, ValueError):  # a constructor that cannot be called like this
+            log.warning("micro_batch_size='auto' cannot copy %s to measure its states; "
+                        "they are left out of the probe", type(optimizer).__name__)
+            continue
+        shadow.step()
+        del shadow
+        for p in made:
+            p.grad = None
+
+
+@contextmanager
+def _parameters_preserved(run: RunState) -> Iterator[None]:
+    """Restores every parameter and buffer (this rank's shards) after the search, and the
+    gradients that existed before it (a window in progress): the probe's backward adds into
+    them and its cleanup drops them, so each comes back as the same tensor with its values."""
+    tensors = [t for model in run.models
+               for t in (*model.parameters(), *model.buffers())]
+    saved = [_local(t.detach()).to("cpu", copy=True) for t in tensors]
+    params = list(dict.fromkeys(p for model in run.models for p in model.parameters()))
+    grads = [(p, p.grad, _local(p.grad.detach()).to("cpu", copy=True))
+             for p in params if p.grad is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, copy in zip(tensors, saved, strict=True):
+                _local(tensor.detach()).copy_(copy)
+            for param, grad, copy in grads:
+                _local(grad).copy_(copy)
+                param.grad = grad
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    loss = getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"the probe's step returned {type(output).__name__}; return the loss "
+                          "tensor, (loss_sum, num_items) or an object with .loss")
+    return loss
+
+
+def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:
+    """A ``make_batch`` for a DataLoader over a map-style dataset: n copies of the largest of
+    its first ``scan`` samples (by tensor elements), through the loader's ``collate_fn``. Give
+    your own ``make_batch`` when the longest sample the data can give is known (the recipe's:
+    ``block_size`` tokens).
+
+    Raises:
+        ConfigError: a dataset without ``len`` and indexing (an IterableDataset).
+    """
+    dataset, collate = loader.dataset, loader.collate_fn
+    refusal = ConfigError(f"micro_batch_size='auto' cannot build a probe batch from "
+                          f"{type(dataset).__name__} (no len/indexing); call "
+                          "acc.find_micro_batch_size(step, make_batch) yourself")
+    try:
+        count = min(len(dataset), scan)
+    except (TypeError, NotImplementedError) as exc:
+        raise refusal from exc
+    if not count:
+        raise ConfigError("micro_batch_size='auto': the DataLoader's dataset is empty")
+    found: list[Any] = []
+
+    def make_batch(n: int) -> Any:
+        # The scan reads samples, which may draw (augmentation): it runs at the first call,
+        # inside the probe, whose RNG capture gives every stream back; read here it would
+        # move them before the run.
+        if not found:
+            try:
+                found.append(max((dataset[i] for i in range(count)), key=lambda s: sum(
+                    t.numel() for t in tree_leaves(s) if isinstance(t, torch.Tensor))))
+            except (TypeError, NotImplementedError) as exc:
+                raise refusal from exc
+        return collate([found[0]] * n)
+
+    return make_batch
