@@ -221,7 +221,9 @@ class FSDPStrategy(JaxStrategy):
     uses a parameter is one use), after the cast to the compute dtype.
 
     Accumulation: by default each device sums the window's gradients into full-size float32
-    accumulators and reduce-scatters them once after the scan (FSDP2 with gradient sync off);
+    accumulators (inside the backward: each use's gradient joins its accumulator, a scanned
+    layer's in its slice) and reduce-scatters them once after the scan (FSDP2 with gradient
+    sync off);
     ``sync_each_microstep=True`` reduce-scatters every micro-step's gradients into sharded
     accumulators instead: 1/N of the gradient memory for K times the gradient traffic. Both give
     the same result.
