@@ -217,7 +217,8 @@ class Accelerator:
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self, params: Any, optimizer: optax.GradientTransformation,
-              loader: Any = None) -> TrainState | tuple[TrainState, WindowLoader]:
+              loader: Any = None, *, loss_fn: LossFn | None = None,
+              batch: Any = None) -> TrainState | tuple[TrainState, WindowLoader]:
         """Places ``params`` and a fresh optimizer state on the mesh, per the strategy.
 
         Args:
@@ -225,13 +226,20 @@ class Accelerator:
             optimizer: an optax ``GradientTransformation``.
             loader: a torch ``DataLoader`` (optional): returned as windows of K batches,
                 sharded over processes, resumable mid-epoch.
+            loss_fn: with ``batch``, for ``strategy="auto"``: each candidate's window step
+                for this ``loss_fn`` is compiled (never run) and sized with its activations,
+                the numbers ``accumix estimate-memory`` prints; without them ``auto`` sizes
+                the params and optimizer state alone.
+            batch: one micro-batch of this process's rows (a pytree of arrays or
+                ``jax.ShapeDtypeStruct``), as ``acc.window`` takes them.
 
         Returns:
             The ``TrainState``, or ``(state, window_loader)`` when a loader is given.
 
         Raises:
             ConfigError: an optimizer that is not optax's, params without arrays, a loader
-                that is not a torch DataLoader.
+                that is not a torch DataLoader, ``loss_fn`` without ``batch`` (or the other
+                way round), a batch the local devices do not divide.
         """
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise ConfigError(f"optimizer {type(optimizer).__name__} is not an optax "
@@ -241,9 +249,21 @@ class Accelerator:
             raise ConfigError("params must be a pytree of arrays (numpy or jax)")
         if self._strategy is None or jax.process_count() > 1:
             free = agreed_free_bytes()  # a collective: every process joins, "auto" or not
+        if (loss_fn is None) != (batch is None):
+            raise ConfigError("acc.setup(loss_fn=, batch=) go together: pass both (one "
+                              "micro-batch of this process's rows) or neither")
         if self._strategy is None:  # every process the same: from the minimum free memory
+            sized = None
+            if loss_fn is not None:  # each row from its compiled window step for loss_fn
+                from accumix.jax.compiled_memory import sizing
+
+                steps = self._grad_accum_steps or (self._derive_steps(loader.batch_size)
+                                                   if getattr(loader, "batch_size", None)
+                                                   else self.grad_accum_steps)
+                sized = sizing(loss_fn, params, optimizer, batch, grad_accum_steps=steps,
+                               precision=self.policy.name)
             self._strategy = choose_auto(params, optimizer, precision=self.policy.name,
-                                         free_bytes=free)
+                                         free_bytes=free, sized=sized)
         self._check_same_config((repr(self._strategy),))  # the choice, not the word "auto"
         self._optimizer = optimizer
         strategy = self.strategy
