@@ -97,9 +97,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
     if (args.backend or config.backend) == "jax":
-        if args.nodes > 1:
-            raise ConfigError("--nodes is not sized for --backend jax yet; leave it out (the "
-                              "JAX table is per device of one mesh)")
+        if args.nodes > 1 and world // args.nodes < 2:
+            raise ConfigError(f"--nodes={args.nodes} leaves one device per node of "
+                              f"--world-size={world}: hsdp needs 2 or more; use fewer nodes")
         _host_devices(world)
         return _run_jax(args, config, world, precision)
     micro = config.micro_batch_size
@@ -173,6 +173,10 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
             config = dataclasses.replace(config, micro_batch_size=micro)
         if isinstance(micro, int):
             activations, how = _jax_activations(config, params, optimizer, devices, precision)
+            # hsdp's rows: fsdp's step over a node's devices; its activations are taken from
+            # the fsdp rows of the whole mesh (measured alike: one device's rows each).
+            activations.update({"hsdp": activations["fsdp-sync"],
+                                "hsdp-defer": activations["fsdp"]})
             steps = max(1, config.global_batch_size // (devices * micro))
             # The window as the step holds it: K micro-batches of every device's rows.
             window_bytes = devices * steps * 2 * micro * shape.block_size * 4
@@ -185,10 +189,12 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
     estimates = estimate_jax_memory(params, optimizer, num_devices=devices, precision=precision,
                                     platform=jax.devices()[0].platform,
                                     optimizer_states=args.optimizer_states,
-                                    window_bytes=window_bytes, activation_bytes=activations)
-    _, reason = pick_strategy(estimates, device_bytes=device_bytes)
-    print(f"{label}, {precision}, JAX, {devices} devices, {device_bytes / 2**30:.1f} GiB per "
-          "device")
+                                    window_bytes=window_bytes, activation_bytes=activations,
+                                    replicas=args.nodes)
+    _, reason = pick_strategy(estimates, device_bytes=device_bytes, nodes=args.nodes)
+    where = f"{args.nodes} nodes x {devices // args.nodes} devices" if args.nodes > 1 else (
+        f"{devices} devices")
+    print(f"{label}, {precision}, JAX, {where}, {device_bytes / 2**30:.1f} GiB per device")
     print(format_jax_table(estimates, device_bytes=device_bytes))
     print(f"auto: {reason}")
     return 0
