@@ -5,7 +5,7 @@ for every JAX strategy on 4 host devices (hsdp: 2 nodes of 2), against float64.
     python bench/jax_reduce_dtype.py --rows ddp --k 1 4    # a subset
 
 The run: an MLP (Linear(16, 64), 2 residual blocks ``x + tanh(x W + b)`` of width 64,
-Linear(64, 4); 8,900 parameters), 10 steps of SGD (lr 0.1, momentum 0.9), a mean-squared loss
+Linear(64, 4); 9,668 parameters), 10 steps of SGD (lr 0.1, momentum 0.9), a mean-squared loss
 on 64 rows per step split into K micro-batches (the global batch does not change with K), fp32
 compute. The reference is the same 10 steps in float64 on one device (numpy inputs, the whole
 64 rows at once). Errors: ||w - w64|| / ||w64|| and the same over the float64 run's own
