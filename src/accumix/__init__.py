@@ -16,6 +16,7 @@ from accumix.errors import (
     CompileError,
     ConfigError,
     LossScaleError,
+    Preempted,
 )
 from accumix.precision.loss_scale import DynamicLossScale, NoLossScale
 
@@ -64,6 +65,7 @@ __all__ = [
     "HSDPStrategy",
     "LossScaleError",
     "NoLossScale",
+    "Preempted",
     "Policy",
     "SingleDeviceStrategy",
     "Strategy",

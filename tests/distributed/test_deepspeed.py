@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
 from accumix.testing import spawn
+from tests import split_backward_jobs as sj
 from tests import window_jobs as wj
 from tests import workloads as w
 from tests.multi_model import max_diff
@@ -292,6 +293,12 @@ def _step_forms() -> dict[str, Any]:
         out[f"after_block/{items}"] = (
             max_diff(wj.after_block_reference(data, items), params), steps)
     out["refused"] = wj.skipped_boundary_backward(ax.DeepSpeedStrategy(stage=2))
+    try:  # two backward calls on a boundary micro-step: the engine kept the second's only
+        sj.one_model_accumix(sj.one_model_data(2, world=2), steps=1, items=True,
+                             strategy=ax.DeepSpeedStrategy(stage=2))
+        out["second_backward_refused"] = "no error"
+    except ax.ConfigError as exc:
+        out["second_backward_refused"] = str(exc)
     try:  # item 4: a window the loop does not step cannot be discarded (the engine kept it)
         wj.skip_accumix(wj.skip_data(), "loss", strategy=ax.DeepSpeedStrategy(stage=2))
         out["skip_refused"] = "no error"
@@ -325,6 +332,8 @@ def test_deepspeed_two_ranks(tmp_path: Path) -> None:
                                            "backward on the window's last micro-step"), forms
         assert forms["skip_refused"].startswith("strategy='deepspeed' clears gradients only "
                                                 "inside optimizer.step()"), forms
+        assert forms["second_backward_refused"].startswith(
+            "strategy='deepspeed' takes one backward on a window's last micro-step"), forms
         eq = r["equivalence"]
         for stage in STAGES:
             s = eq[stage]

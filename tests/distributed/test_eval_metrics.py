@@ -4,6 +4,7 @@ whole set, every sample once (uneven shards: one rank pads with a weight-0 batch
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
-from accumix.testing import spawn
 from accumix.trainer import Callback, Trainer
+from tests.distributed.shared_spawn import shared_result
 
 SAMPLES, CLASSES = 9, 5
 
@@ -60,7 +61,12 @@ def _job() -> list[dict[str, float]]:
     return collect.val
 
 
-def test_named_eval_sums_are_exact_over_ranks() -> None:
+def shared_job(_: Path) -> tuple[Any, tuple[Any, ...]]:
+    """This module's job, run in the spawn it shares with other modules (conftest.py)."""
+    return _job, ()
+
+
+def test_named_eval_sums_are_exact_over_ranks(shared_spawn: dict[str, list[Any]]) -> None:
     x, y = _data().tensors
     logits = _model()(x)
     expected = {
@@ -69,7 +75,7 @@ def test_named_eval_sums_are_exact_over_ranks() -> None:
         "val_top2": (logits.topk(2, -1).indices == y[:, None]).any(-1).sum().item() / SAMPLES,
     }
     assert 0 < expected["val_accuracy"] < expected["val_top2"] < 1  # the check can tell
-    for rank_vals in spawn(_job, 2):
+    for rank_vals in shared_result(shared_spawn, __name__):
         assert rank_vals, "no validation ran"
         last = rank_vals[-1]
         assert last["val_items"] == SAMPLES

@@ -2,7 +2,9 @@
 LBFGS closure equal plain PyTorch on the gathered batch; fp16 item mode's first window does
 not overflow. Issue 20: overlapping optimizers (ddp), a model unused on the boundary micro-step
 (reduced once on ddp and zero1, refused on fsdp unless a zero loss reaches it there) and
-stepping after the block (ddp). One spawned job runs them all."""
+stepping after the block (ddp). Two forwards then two backward calls through one model in a
+micro-step (the GAN's D on real and fake; one model on two batches) on ddp and zero1, K=1 and
+K=2 with a short last window, both orders, both modes. One spawned job runs them all."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import accumix as ax
 from accumix.testing import spawn
 from tests import multi_model as mm
+from tests import split_backward_jobs as sj
 from tests import window_jobs as wj
 
 TOL = 1e-6
@@ -34,6 +37,29 @@ def _ddp_checks() -> dict[str, Any]:
     # fp16 item mode's first window (ranks with 64 and 48 items): no step skipped
     out["fp16_items_skipped"] = float(sum(mm.fp16_item_run(items=True, strategy="ddp")[0]))
     out.update(_issue20_checks(world))
+    out.update(_split_backward_checks(world))
+    return out
+
+
+def _split_backward_checks(world: int) -> dict[str, Any]:
+    """D forwarded on the real and the fake batch, then one backward per half: DDP's reducer
+    reduced only the first, the second stayed each rank's own (d_first/K1/items/ddp was 3.3e-2
+    off and the ranks apart; one_model 0.15). K=2 on 5 micro-steps: windows of 2, 2 and 1."""
+    out: dict[str, Any] = {}
+    full, short = sj.split_data(3, world), sj.split_data(5, world)
+    for order, data, steps, items, strategy in (
+            ("d_first", full, 1, True, "ddp"), ("d_first", short, 2, False, "ddp"),
+            ("g_first", full, 1, False, "zero1"), ("g_first", short, 2, True, "zero1")):
+        name = f"split/{order}/K{steps}/{'items' if items else 'mean'}/{strategy}"
+        ref, ref_steps = sj.split_reference(order, data, steps=steps, items=items, world=world)
+        got, taken = sj.split_accumix(order, data, steps=steps, items=items, strategy=strategy)
+        out[name], out[f"{name}/steps"] = mm.max_diff(ref, got), float(taken != ref_steps)
+    data = sj.one_model_data(5, world)
+    for items, strategy in ((True, "ddp"), (False, "zero1")):
+        ref, ref_steps = sj.one_model_reference(data, steps=2, items=items, world=world)
+        got, taken = sj.one_model_accumix(data, steps=2, items=items, strategy=strategy)
+        name = f"split/one_model/K2/{'items' if items else 'mean'}/{strategy}"
+        out[name], out[f"{name}/steps"] = mm.max_diff(ref, got), float(taken != ref_steps)
     return out
 
 

@@ -1,18 +1,25 @@
-"""The Trainer on 2 ranks: the logged window loss is the large batch's loss over both ranks, and
-the validation loss covers every sample exactly once."""
+"""The Trainer on 2 ranks: the logged window loss is the large batch's loss over both ranks, the
+validation loss covers every sample exactly once (the val loader's sampler and ``drop_last``
+keep the evaluated set of one process), and a SIGTERM on one rank stops both at the same
+boundary with a checkpoint the restart continues bit for bit (issue 29 items 1, 2, 9)."""
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch import nn
+from torch.utils.data import DataLoader, SubsetRandomSampler, WeightedRandomSampler
 
 import accumix as ax
-from accumix.testing import spawn
+from accumix.errors import ConfigError
 from accumix.trainer import Callback, Trainer
 from tests import workloads as w
+from tests.distributed.shared_spawn import shared_result
 
 
 class _Collect(Callback):
@@ -46,13 +53,96 @@ def _run(mode: str) -> dict[str, Any]:
     return {"rows": collect.rows, "val": collect.val}
 
 
-def _both_modes() -> dict[str, Any]:
-    return {"items": _run("items"), "mean": _run("mean")}
+def _validation_sets() -> dict[str, Any]:
+    """What each rank's Trainer evaluates for val loaders whose set an unsharded split
+    changed: a sampler over a split of one dataset, drop_last; a sampler that cannot be
+    split is refused at construction, on every rank."""
+    data = w.regression_data(40)
+
+    def validate(loader: DataLoader) -> dict[str, float]:
+        model = w.make_model()
+        return Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                       train_loader=DataLoader(data, batch_size=4), val_loader=loader,
+                       max_steps=1, accelerator=ax.Accelerator(precision="fp32"),
+                       step_fn=w.mean_loss, progress_bar=False).validate()
+
+    out: dict[str, Any] = {
+        # ids 30..39 held out: one process evaluated 10 samples, two evaluated all 40
+        "subset": validate(DataLoader(data, batch_size=4,
+                                      sampler=SubsetRandomSampler(range(30, 40)))),
+        # 37 samples, batch 4: one process evaluates 36, two evaluated 32
+        "drop_last": validate(DataLoader(torch.utils.data.Subset(data, range(37)),
+                                         batch_size=4, drop_last=True)),
+    }
+    try:
+        validate(DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 40, 10)))
+        out["weighted"] = "accepted"
+    except ConfigError as exc:
+        out["weighted"] = str(exc)
+    return out
+
+
+class _TermOnRank1(Callback):
+    """Rank 1 alone gets SIGTERM in the middle of step 3's window."""
+
+    def on_train_batch_start(self, trainer: Trainer, batch: Any) -> None:
+        if trainer.accelerator.rank == 1 and (trainer.step, trainer.micro_step) == (2, 1):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _preemptable(run_dir: Path, *callbacks: Callback) -> list[torch.Tensor] | tuple:
+    """Shuffled data, dropout, Adam, K=2 on 2 ranks; the parameters at the end, or what the
+    pre-emption reported."""
+    data = w.regression_data(48)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 1))
+    trainer = Trainer(
+        model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        train_loader=DataLoader(data, batch_size=3, shuffle=True),
+        accelerator=ax.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=2,
+                                   seed=0),
+        step_fn=w.mean_loss, max_steps=6, checkpoint_every=4, run_dir=run_dir,
+        loggers=["csv"], progress_bar=False, callbacks=list(callbacks))
+    try:
+        trainer.fit()
+    except ax.Preempted as exc:
+        return ("preempted", exc.code, exc.step, (run_dir / "latest").read_text().strip(),
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _preemption(tmp: Path) -> dict[str, Any]:
+    reference = _preemptable(tmp / "reference")
+    stopped = _preemptable(tmp / "run", _TermOnRank1())
+    resumed = _preemptable(tmp / "run")
+    from accumix.trainer.run_lock import lock_run_dir
+
+    held = lock_run_dir(tmp / "busy") if int(os.environ["RANK"]) == 0 else None
+    try:  # another job's live lock: one agreed error on every rank, no collective failure
+        _preemptable(tmp / "busy")
+        refused: Any = "ran"
+    except ConfigError as exc:
+        refused = (str(exc).split(";")[0], getattr(exc, "every_rank", False))
+    finally:
+        if held is not None:
+            held.release()
+    return {"stopped": stopped, "bitwise": all(torch.equal(a, b) for a, b in zip(
+        resumed, reference, strict=True)), "refused": refused}
+
+
+def _job(tmp: Path) -> dict[str, Any]:
+    return {"items": _run("items"), "mean": _run("mean"), "validation": _validation_sets(),
+            "preemption": _preemption(tmp)}
+
+
+def shared_job(tmp: Path) -> tuple[Any, tuple[Any, ...]]:
+    """This module's job, run in the spawn it shares with other modules (conftest.py)."""
+    return _job, (tmp,)
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return spawn(_both_modes, nprocs=2)
+def results(shared_spawn: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    return shared_result(shared_spawn, __name__)
 
 
 def test_item_window_loss_is_the_large_batch_loss_over_both_ranks(results: Any) -> None:
@@ -90,3 +180,29 @@ def test_validation_loss_counts_each_sample_once(results: Any) -> None:
         assert rank_result["items"]["val"] == pytest.approx([loss_sum.item() / items.item()] * 2,
                                                             rel=1e-6)
         assert rank_result["mean"]["val"] == pytest.approx([mean] * 2, rel=1e-6)
+
+
+def test_validation_keeps_the_loaders_sampler_and_drop_last_set(results: Any) -> None:
+    data, model = w.regression_data(40), w.make_model()
+    held_out = w.mean_loss(model, data[30:40]).item()
+    whole_batches = w.mean_loss(model, data[0:36]).item()
+    for rank_result in results:
+        val = rank_result["validation"]
+        assert val["subset"]["val_items"] == 10  # was 40: the training samples too
+        assert val["subset"]["val_loss"] == pytest.approx(held_out, rel=1e-6)
+        assert val["drop_last"]["val_items"] == 36  # was 32
+        assert val["drop_last"]["val_loss"] == pytest.approx(whole_batches, rel=1e-6)
+        assert val["weighted"].startswith("val_loader's sampler WeightedRandomSampler cannot "
+                                          "be split over 2 ranks")
+
+
+def test_sigterm_on_one_rank_stops_both_at_one_boundary_and_resumes_bitwise(
+        results: Any) -> None:
+    for rank_result in results:
+        run = rank_result["preemption"]
+        # rank 1's signal mid-window of step 3: both ranks saved step 3, stopped with 143
+        assert run["stopped"] == ("preempted", 143, 3, "step-3", True)
+        assert run["bitwise"]
+        message, every_rank = run["refused"]
+        assert every_rank and message.startswith("run directory ")
+        assert "is in use by a live job (pid " in message

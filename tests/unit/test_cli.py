@@ -120,11 +120,50 @@ def test_launch_plan_defaults_and_slurm() -> None:
         slurm_settings({**slurm, "SLURM_STEP_NUM_TASKS": "16"})
 
 
+def test_output_errors_of_a_two_process_job_are_one_line_before_any_rank_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An unwritable MLFLOW_TRACKING_URI gave exit 1 and 41 lines (rank 1's gloo traceback
+    among them), a missing package its line twice and torch's launcher error; a second job
+    on a run directory in use ran beside the first (issue 29 items 10, 11)."""
+    import importlib.util
+
+    run_dir = tmp_path / "run"
+    job = ["train", "nproc=2", "global_batch_size=8", "micro_batch_size=2",
+           f"output_dir={run_dir}"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{blocker}/sub/mlflow.db")
+    assert main([*job, "loggers=[csv,mlflow]"]) == 2
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert main([*job, "loggers=[csv,wandb]"]) == 2
+    from accumix.trainer.run_lock import lock_run_dir
+
+    held = lock_run_dir(run_dir)  # a live job's lock
+    try:
+        assert main([*job, "loggers=[csv]"]) == 2
+    finally:
+        held.release()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3, err
+    assert err[0].startswith("accumix train: error: mlflow cannot use the tracking location "
+                             f"'sqlite:///{blocker}/sub/mlflow.db'")
+    assert err[1] == ("accumix train: error: the wandb logger needs the wandb package; pip "
+                      "install 'accumix[wandb]' or drop 'wandb' from loggers")
+    assert err[2] == (f"accumix train: error: run directory '{run_dir}' is in use by a live job "
+                      f"(pid {os.getpid()} on {os.uname().nodename}); wait for it to end (or "
+                      "stop it), or give this job another run directory (output_dir=)")
+
+
 @pytest.mark.parametrize("codes,status", [
     ({0: 2, 1: -15}, 2),  # rank 0's ConfigError; the agent stopped rank 1 before its own exit 2
     ({0: 2, 1: 2}, 2),
     ({0: 2, 1: -11}, 1),  # a crash is not a config error
     ({0: 3, 1: -15}, 1),
+    ({0: 143, 1: 143}, 143),  # the Trainer's pre-emption on every rank: requeue (issue 29)
+    ({0: 143, 1: -15}, 143),
 ])
 def test_launch_exits_2_when_the_ranks_failed_with_a_config_error(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], codes, status

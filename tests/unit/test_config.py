@@ -119,3 +119,24 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path: Path,
     assert main(["train", "--print-config", "max_steps=9", "model.n_layer=1"]) == 0
     printed = capsys.readouterr().out
     assert "max_steps: 9\n" in printed and "  n_layer: 1\n" in printed
+
+
+def test_loggers_take_one_word_or_a_comma_list_and_refuse_repeats(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``loggers=mlflow`` said "use [a string, Ellipsis] or null"; ``[csv,csv,mlflow,mlflow]``
+    logged every row twice."""
+    for given in ("loggers=mlflow", "loggers=[mlflow]", "loggers=csv,mlflow"):
+        expected = ("mlflow",) if "csv" not in given else ("csv", "mlflow")
+        assert load_config(TrainConfig, None, [given]).loggers == expected
+    (tmp_path / "job.yaml").write_text("loggers: mlflow\n")
+    assert load_config(TrainConfig, tmp_path / "job.yaml").loggers == ("mlflow",)
+    assert main(["train", "loggers=[csv,csv,mlflow,mlflow]", "--print-config"]) == 2
+    assert main(["train", "loggers=5", "--print-config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "accumix train: error: loggers: logger 'csv' is given twice, which would log every "
+        "row twice; list each logger once",
+        "accumix train: error: loggers=5 is invalid; use a list of strings, e.g. [x,y] or null"]
+    from accumix.trainer.loggers import resolve_loggers
+
+    with pytest.raises(ConfigError, match="logger 'jsonl' is given twice"):
+        resolve_loggers(["jsonl", "csv", "jsonl"])

@@ -151,3 +151,26 @@ def test_importing_accumix_does_not_import_deepspeed() -> None:
     code = ("import sys, accumix as ax; ax.DeepSpeedStrategy; "
             "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_refusal_under_deepspeed_says_what_the_readme_says() -> None:
+    """An optimizer accumix does not know was said to be exact under zero1, where the README
+    says such optimizers run unchecked (issue 29)."""
+    import torch
+
+    from accumix.strategies.optimizer_exactness import check_deepspeed
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params: object) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ax.ConfigError) as unknown:
+        check_deepspeed(Custom(params), False)
+    assert ("use strategy='ddp', where any optimizer is exact (or 'zero1' if Custom's update "
+            "reads only its own parameter: zero1 does not check it)") in str(unknown.value)
+    with pytest.raises(ax.ConfigError) as adafactor:
+        check_deepspeed(torch.optim.Adafactor(params), False)
+    assert "use strategy='zero1' or 'ddp', where Adafactor is exact" in str(adafactor.value)
+    check_deepspeed(torch.optim.SGD(params, lr=0.1), False)  # element-wise: accepted
+    check_deepspeed(Custom(params), True)  # the user's config accepts the difference

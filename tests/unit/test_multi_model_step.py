@@ -9,6 +9,7 @@ from torch import nn
 
 import accumix as ax
 from tests import multi_model as mm
+from tests import split_backward_jobs as sj
 
 TOL = 1e-6
 
@@ -43,6 +44,19 @@ def test_gan_fp16_unscales_the_second_optimizers_gradients(gan_batches) -> None:
     got, acc = mm.gan_accumix("d_first", gan_batches, items=False, precision="fp16-mixed")
     assert mm.max_diff(ref, got) <= 1e-3
     assert not acc.step_was_skipped and acc.loss_scale == 65536.0
+
+
+@pytest.mark.parametrize("items", [False, True], ids=["mean", "items"])
+def test_gan_g_first_with_accumulation_never_steps_d_twice_on_one_window(items: bool) -> None:
+    """G first, K=2, D's loss in two backward calls: G's backward reaches D before
+    ``opt_d.zero_grad()``, which keeps the window it now holds; D's last window's gradients,
+    already stepped (and divided by their count), were kept with it and stepped again. Five
+    micro-steps: windows of 2, 2 and a short 1."""
+    data = sj.split_data(5, world=1)
+    ref, ref_steps = sj.split_reference("g_first", data, steps=2, items=items, world=1)
+    got, steps = sj.split_accumix("g_first", data, steps=2, items=items)
+    assert mm.max_diff(ref, got) <= TOL
+    assert steps == ref_steps == 3
 
 
 def test_two_models_item_counts_are_their_own() -> None:

@@ -21,18 +21,6 @@ from accumix.trainer.trackers.mlflow_logger import MLflowLogger
 from accumix.trainer.trackers.wandb_logger import WandbLogger
 
 
-@pytest.fixture(scope="module")
-def empty_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An MLflow SQLite store as MLflow creates it: each creation runs every schema migration
-    (seconds), so the tests here copy this one into their run directory where the logger
-    looks (tests/distributed/test_trackers.py lets the logger create its own)."""
-    from mlflow.tracking import MlflowClient
-
-    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
-
-
 def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
     message = str(exc.value)
     assert "\n" not in message

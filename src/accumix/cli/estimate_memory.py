@@ -53,6 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", default=None,
                         help="fp32 | bf16-mixed | fp16-mixed | bf16-true (default: the "
                         "recipe's, auto resolved on this machine)")
+    parser.add_argument("--reduce-dtype", default=None,
+                        help="fp32 | bf16 | fp16: what gradients travel in (default: the "
+                        "recipe's reduce_dtype, else the precision's)")
     parser.add_argument("--optimizer-states", type=int, default=2,
                         help="states per parameter: 2 Adam, 1 SGD+momentum, 0 SGD")
     parser.add_argument("--device-gib", type=float, default=None,
@@ -96,6 +99,7 @@ def run_estimate(args: argparse.Namespace) -> int:
                           "number of nodes that divides the world size")
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
+    reduce_dtype = reduce_dtype_of(args.reduce_dtype or config.reduce_dtype, precision)
     if (args.backend or config.backend) == "jax":
         if args.nodes > 1 and world // args.nodes < 2:
             raise ConfigError(f"--nodes={args.nodes} leaves one device per node of "
@@ -136,8 +140,41 @@ def run_estimate(args: argparse.Namespace) -> int:
     where = f"{args.nodes} nodes x {per_node} ranks" if args.nodes > 1 else f"world size {world}"
     print(f"{label}, {precision}, {where}, {device_bytes / 2**30:.1f} GiB per rank")
     print(format_table(estimates))
+    trainable = (model_or_count if isinstance(model_or_count, int) else
+                 sum(p.numel() for p in model_or_count.parameters() if p.requires_grad))
+    steps = (None if args.params is not None or not isinstance(micro, int) else
+             max(1, config.global_batch_size // (world * micro)))
+    print(reduction_line(trainable, reduce_dtype, world, steps))
     print(f"auto: {choice.reason}")
     return 0
+
+
+def reduce_dtype_of(given: str | None, precision: str) -> str:
+    """The reduction's dtype name: ``given`` (a ``reduce_dtype`` word), else the precision's.
+
+    Raises:
+        ConfigError: an unknown word, or fp16 where the precision scales no loss.
+    """
+    from accumix.precision.reduce_dtype import check_fp16_reduction, parse_reduce_dtype
+
+    dtype = parse_reduce_dtype(given) or ("bfloat16" if precision == "bf16-true" else "float32")
+    check_fp16_reduction(dtype, loss_scaled=precision == "fp16-mixed", precision=precision)
+    return dtype
+
+
+def reduction_line(trainable: int, reduce_dtype: str, world: int, grad_accum_steps: int | None
+                   ) -> str:
+    """The gradient reduction's bytes per optimizer step: one rank's payload."""
+    from accumix.precision.reduce_dtype import reduction_bytes
+
+    if world == 1:
+        return "gradient reduction: none (one process)"
+    once = reduction_bytes(trainable, reduce_dtype)
+    each = (f"{grad_accum_steps} x that ({grad_accum_steps * once / 2**20:,.1f} MiB)"
+            if grad_accum_steps else "K x that")
+    return (f"gradient reduction in {reduce_dtype}: {once / 2**20:,.1f} MiB per rank per "
+            f"optimizer step (ddp, zero1, fsdp, deepspeed stage 1: once per step; fsdp "
+            f"sync_each_microstep and deepspeed stages 2-3 reduce every micro-step: {each})")
 
 
 def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str) -> int:

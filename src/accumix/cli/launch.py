@@ -17,11 +17,12 @@ import argparse
 import logging
 import os
 import signal
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from accumix.errors import ConfigError
+from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
 from accumix.runtime.env import first_host
 from accumix.testing import free_port
 
@@ -169,16 +170,32 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
 
     Returns:
         0 when every rank succeeded; 2 when the ranks failed with a usage or config error
-        (status 2, their one-line message already printed); 1 for any other failure.
+        (status 2, their one-line message already printed); 143 (128 + the signal) when this
+        launcher got SIGTERM (or SIGINT, ...), which it forwarded to the ranks (they have
+        torchrun's ``--shutdown-timeout``, 30 s, to save and exit), or when every rank that
+        failed exited 143 (the Trainer's pre-emption save-and-stop); 1 for any other failure.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     if plan.threads_per_process is not None:
         os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_process)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # Each of torchrun's module loggers sets its own level (WARNING), so the parent's is not
+    # enough: the agent's "Received 15 death signal" and "Sending process ... closing signal"
+    # lines are the launcher's own business.
+    for name in [n for n in logging.root.manager.loggerDict
+                 if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         run(parse_args(torchrun_args(plan, target, target_args, module=module)))
+    except SignalException as exc:
+        # torchrun's agent turned the signal into this exception after it forwarded the signal
+        # to every rank and waited for them: no traceback, the status a scheduler reads.
+        name = signal.Signals(exc.sigval).name
+        print(f"accumix launch: stopped by {name}, forwarded to every rank (exit status "
+              f"{128 + exc.sigval})", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         status, line = failure_status(exc.failures)
         if line:
@@ -192,12 +209,17 @@ def failure_status(failures: Mapping[int, Any]) -> tuple[int, str]:
 
     2 when every rank that ended on its own exited with 2 (a usage or config error, its
     one-line message already printed): once one rank fails the agent stops the others with
-    SIGTERM, which may reach a rank before its own exit 2 (the launch then exited 1); 1
-    otherwise, with the first failure named.
+    SIGTERM, which may reach a rank before its own exit 2 (the launch then exited 1); 143 when
+    they all exited 143 (the Trainer's pre-emption: saved, to be requeued); 1 otherwise, with
+    the first failure named.
     """
     ended = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM}
     if ended and {f.exitcode for f in ended.values()} == {2}:
         return 2, ""
+    if ended and {f.exitcode for f in ended.values()} == {PREEMPTED_EXIT_CODE}:
+        return PREEMPTED_EXIT_CODE, ("accumix launch: the ranks were pre-empted and saved (exit "
+                                     f"status {PREEMPTED_EXIT_CODE}); run the same command "
+                                     "again to resume")
     own = {rank: f for rank, f in failures.items() if f.exitcode > 0}
     rank, first = min((own or failures).items(), key=lambda item: (item[1].timestamp, item[0]))
     how = (f"was killed by signal {first.signal_name()}" if first.exitcode < 0

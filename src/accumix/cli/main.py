@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _launched_rank() -> int:
+    from accumix.common.launch_env import detect_launch_env
+
+    return detect_launch_env().rank
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default: ``sys.argv[1:]``).
 
@@ -49,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     except ConfigError as exc:
+        if getattr(exc, "every_rank", False) and _launched_rank() != 0:
+            return 2  # every rank raised the same error, agreed: rank 0 prints it once
         command = f"accumix {args.command}" if "args" in locals() else "accumix"
         message = " ".join(str(exc).split())  # one line, whatever the message held
         print(f"{command}: error: {message}", file=sys.stderr)

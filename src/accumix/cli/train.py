@@ -74,6 +74,9 @@ def run_train(args: argparse.Namespace) -> int:
 
         run = default_jax.run
     if detect_launch_env().launcher != "none":  # a launcher started us: we are one rank
+        from accumix.runtime.fault import die_with_launcher
+
+        die_with_launcher()  # the JAX backend's ranks too (the torch Accelerator starts it)
         return run(config)
     plan = plan_launch(nproc=config.nproc)
     # A degenerate mesh is one line here, not one per rank. (JAX's hsdp counts processes as
@@ -91,4 +94,27 @@ def run_train(args: argparse.Namespace) -> int:
                             dp_world_size=plan.nproc)
     if plan.nproc == 1:
         return run(config)
+    check_outputs(config)
     return run_torchrun(plan, "accumix.cli.main", ["train", *args.items], module=True)
+
+
+def check_outputs(config: object) -> None:
+    """Before any rank starts: the run directory is not in use by a live job, and every
+    logger can start there (library installed, tracking location usable), so that such an
+    error is one line and exit 2, not one failure per rank.
+
+    Raises:
+        ConfigError: the first problem found.
+    """
+    from accumix.recipes.tracking import tracking_options
+    from accumix.trainer.loggers import resolve_loggers
+    from accumix.trainer.run_lock import check_run_dir_free
+    from accumix.trainer.trackers.base import TrackerLogger
+
+    run_dir = config.run_dir  # type: ignore[attr-defined]
+    check_run_dir_free(run_dir)
+    options = tracking_options(config)  # type: ignore[arg-type]
+    for logger in resolve_loggers(options["loggers"], log_model=options["log_model"],
+                                  run_name=options["run_name"]):
+        if isinstance(logger, TrackerLogger):
+            logger.check(run_dir)

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Literal
 
 from accumix.errors import ConfigError
-from accumix.precision.policy import PRECISION_WORDS
+from accumix.precision.reduce_dtype import check_fp16_reduction, parse_reduce_dtype
+from accumix.precision.words import PRECISION_WORDS
 from accumix.recipes.gpt import GPTConfig
 from accumix.strategies.registry import STRATEGY_WORDS
 
@@ -103,6 +104,9 @@ class TrainConfig:
         strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``hsdp`` (several
             nodes), ``deepspeed``.
         precision: ``auto``, ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``.
+        reduce_dtype: what gradients travel in between ranks: ``fp32``, ``bf16``, ``fp16``
+            (``fp16-mixed`` only); null: the precision's (float32; bf16 under ``bf16-true``).
+            Torch backend only for now.
         compile: ``torch.compile`` the model (inductor) after the strategy wrapped it
             (``Accelerator(compile=True)``); the JAX backend always jits and ignores it.
         global_batch_size: documents per optimizer step over all ranks (fixed whatever nproc).
@@ -119,7 +123,8 @@ class TrainConfig:
         progress_bar: show the progress bar.
         plot: write ``metrics.png`` at the end.
         loggers: metric loggers: ``csv``, ``jsonl``, ``tensorboard``, ``mlflow``, ``wandb``,
-            ``clearml`` (null: csv, jsonl and tensorboard when installed).
+            ``clearml``, each once (``[csv,mlflow]``; one word alone or ``csv,mlflow`` is read
+            as that list; null: csv, jsonl and tensorboard when installed).
         log_model: trackers upload the final ``model.safetensors``.
         system_metrics_every: every rank's system metrics every N steps (null: off).
         model: the GPT's shape.
@@ -136,6 +141,7 @@ class TrainConfig:
     seed: int = 0
     strategy: str = "auto"
     precision: str = "auto"
+    reduce_dtype: str | None = None
     compile: bool = False
     global_batch_size: int = 32
     micro_batch_size: int | Literal["auto"] = 8
@@ -173,6 +179,19 @@ class TrainConfig:
         if self.precision not in PRECISION_WORDS:
             raise ConfigError(f"precision={self.precision!r} is invalid; use one of "
                               f"{', '.join(PRECISION_WORDS)}")
+        if self.reduce_dtype is not None:
+            try:
+                wire = parse_reduce_dtype(str(self.reduce_dtype))
+            except ConfigError:
+                raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid; use fp32, "
+                                  "bf16, fp16 or null (the precision's)") from None
+            if self.precision != "auto":  # "auto" resolves on each rank; the Accelerator checks
+                # One line here, not one traceback per rank after the launch.
+                check_fp16_reduction(wire, loss_scaled=self.precision == "fp16-mixed",
+                                     precision=self.precision)
+            if self.backend == "jax":
+                raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is not available on "
+                                  "backend=jax yet; leave reduce_dtype=null there")
         for name in ("nproc", "global_batch_size", "micro_batch_size", "max_steps",
                      "max_epochs", "eval_every", "checkpoint_every", "system_metrics_every"):
             value = getattr(self, name)
@@ -182,12 +201,12 @@ class TrainConfig:
             raise ConfigError("max_steps and max_epochs are both null; give one of them")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"grad_clip={self.grad_clip} is invalid; use a number > 0 or null")
-        from accumix.trainer.loggers import LOGGER_WORDS
+        from accumix.trainer.loggers import check_logger_words
 
-        unknown = [w for w in self.loggers or () if w not in LOGGER_WORDS]
-        if unknown:
-            raise ConfigError(f"loggers: unknown logger {unknown[0]!r}; use "
-                              f"{', '.join(LOGGER_WORDS)}")
+        try:
+            check_logger_words(list(self.loggers or ()))
+        except ConfigError as exc:
+            raise ConfigError(f"loggers: {exc}") from None
         if not 0 < self.data.val_fraction < 1:
             raise ConfigError(f"data.val_fraction={self.data.val_fraction} is invalid; use a "
                               "number in (0, 1)")

@@ -13,6 +13,9 @@
   torchrun's agent.
 * **Pre-emption.** ``acc.handle_preemption(run_dir)`` turns SIGTERM into a checkpoint at the
   next window boundary (the ranks agree with one scalar all-reduce per window), then exit 0.
+* **Orphans.** A worker that torchrun's agent started (``accumix launch``, ``accumix train``)
+  exits within a second of the agent's death: a SIGKILLed launcher cannot forward anything,
+  and its workers would otherwise train on beside the next job in the same run directory.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 _COLLECTIVE_HINTS = ("gloo", "nccl", "timed out", "timeout", "connection closed",
                      "connection reset", "broken pipe", "process group")
 _watchdog: Watchdog | None = None
+_launcher_watch: threading.Thread | None = None
 
 
 class Watchdog:
@@ -217,6 +221,35 @@ def start_watchdog(run: RunState, timeout: float) -> Watchdog | None:
     return _watchdog
 
 
+def die_with_launcher(interval: float = 0.5) -> bool:
+    """Ends this process within ``interval`` seconds of its launcher's death, when torchrun's
+    agent started it (``TORCHELASTIC_RUN_ID`` set): the agent forwards SIGTERM and kills its
+    workers when it exits, but a SIGKILLed agent can do neither.
+
+    A daemon thread polls the parent's pid: once the process is re-parented (to init or a
+    subreaper), the parent is gone. ``prctl(PR_SET_PDEATHSIG)`` would fire when the agent's
+    *thread* that started the worker ends, which the agent does not promise to keep alive.
+
+    Returns:
+        Whether a watch started now (once per process; never outside torchrun's agent).
+    """
+    global _launcher_watch
+    if _launcher_watch is not None or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        print(f"accumix: rank {os.environ.get('RANK', '?')} stops: its launcher (pid {parent}) "
+              "is gone", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    _launcher_watch = threading.Thread(target=watch, name="accumix-launcher-watch", daemon=True)
+    _launcher_watch.start()
+    return True
+
+
 def _stop_at_exit() -> None:
     """Stops the heartbeat thread and waits for it before the interpreter finalizes.
 
@@ -326,12 +359,16 @@ class PreemptionHandler:
         self.checkpoint = self._save_state(self.run_dir, self.keep_last)
         self.triggered = True
         self.close()
-        print(f"accumix: rank {self._run.rank} pre-empted; saved {self.checkpoint}",
-              file=sys.stderr, flush=True)
+        # one write: the ranks share the terminal, and print's separate newline interleaves
+        sys.stderr.write(f"accumix: rank {self._run.rank} pre-empted; saved {self.checkpoint}\n")
+        sys.stderr.flush()
         return True
 
     def close(self) -> None:
-        """Restores the signal handlers that were there before."""
+        """Restores the signal handlers that were there before; the Accelerator stops asking
+        this handler at boundaries (no more agreement collectives)."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+        if self._run.preemption is self:
+            self._run.preemption = None

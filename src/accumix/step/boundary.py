@@ -52,6 +52,7 @@ class WindowGrads:
     fresh: bool = False  # a backward reached them since they were last finalized
     finalized: bool = False  # the boundary pass ran on them (and nothing was added since)
     step_taken: bool = False  # its step ran at this boundary (applied or skipped on overflow)
+    holds_used: bool = False  # the gradients a step used are still there (no zero_grad since)
     num_items: Number | torch.Tensor = 0  # items of the backward calls that reached them
     backwards: int = 0  # those backward calls
     found_inf: torch.Tensor | None = None  # the agreed overflow flag of their last finalize
@@ -70,6 +71,7 @@ class WindowGrads:
         self.first_micro_step, self.fresh, self.finalized = 0, False, False
         self.num_items, self.backwards, self.found_inf = 0, 0, None
         self.unsynced, self.zero_request, self.reach = False, None, ()
+        self.holds_used = False
 
     def keeps(self, window: AccumulationWindow) -> bool:
         """Whether the gradients hold micro-steps of this window that its step has not used
@@ -150,7 +152,9 @@ def record_backward(run: RunState, before: list[list[Any]] | None,
         if not state.first_micro_step:
             state.first_micro_step = window.micro_step
         state.fresh, state.finalized = True, False
-        state.unsynced = _sync_off(run, opt)
+        # Each rank's own until the boundary reduces them: sync was off, or the backend's
+        # backward left them unreduced (DDP: a second backward through one forward).
+        state.unsynced = _sync_off(run, opt) or not run.strategy.backward_reduced(opt.model)
         state.zero_request = None  # an earlier zero_grad of this micro-step was the loop's top
         state.backwards += 1
         if before is not None:
@@ -347,7 +351,7 @@ def optimizer_step(run: RunState, optimizer: AcceleratedOptimizer, closure: Any)
         record.counted_window = index
         run.optimizer_steps += 1
     # Applied or skipped, the step used this window's gradients: zero_grad may clear them.
-    state.step_taken, state.zero_request = True, None
+    state.step_taken, state.zero_request, state.holds_used = True, None, True
     if stepped:
         optimizer.stepped_window = index
     if not run.in_micro_step:  # stepped after the window's block: maybe its last step

@@ -89,6 +89,7 @@ def backward(run: RunState, loss: torch.Tensor,
     if window.needs_first_hint(num_items, scaler.enabled):
         window.set_first_hint(boundary.agreed_count(num_items, run.strategy, run.device))
     multiplier = window.loss_multiplier(num_items) * scaler.scale
+    window_end.drop_used_grads(run)
     before = boundary.marks_before(run.optimizers, run.strategy)
     run.strategy.backward(loss * multiplier if multiplier != 1.0 else loss,
                           run.models[0] if run.models else None)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from accumix.strategies.base import params_of
+
 if TYPE_CHECKING:
     from accumix.step.optim import AcceleratedOptimizer
     from accumix.step.run_state import RunState
@@ -45,6 +47,32 @@ def zero_grad(run: RunState, optimizer: AcceleratedOptimizer, set_to_none: bool)
     state.clear()
     if not run.in_micro_step and window.is_boundary:  # maybe what the scale update awaited
         update_loss_scale(run)
+
+
+def drop_used_grads(run: RunState) -> None:
+    """Before a backward, with several optimizers: gradients that a step of an earlier window
+    used and that no ``zero_grad()`` has cleared since are dropped (set to None, as torch's
+    ``zero_grad`` does), so a backward of another model's loss never adds to them.
+
+    The GAN stepping G first, with K > 1: G's backward reaches D before ``opt_d.zero_grad()``,
+    which, off the boundary, keeps what D holds (it holds this window's micro-step now). D's
+    last step's gradients, already divided by that window's count, were kept with it and
+    stepped again in the next window. A parameter that an optimizer with unused gradients
+    also holds keeps its gradient (that optimizer's window is not over).
+    """
+    if len(run.optimizers) < 2:
+        return
+    index = run.window.index
+    used = [o for o in run.optimizers
+            if o.window_grads.holds_used and o.window_grads.window != index]
+    if not used:
+        return
+    kept = {id(p) for o in run.optimizers if o not in used for p in params_of([o.optimizer])}
+    for opt in used:
+        for param in params_of([opt.optimizer]):
+            if id(param) not in kept:
+                param.grad = None
+        opt.window_grads.holds_used = False
 
 
 def update_loss_scale(run: RunState, *, window_over: bool = False) -> None:

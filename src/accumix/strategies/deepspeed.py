@@ -61,6 +61,8 @@ from torch.optim import Optimizer
 from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.precision.policy import dtype_name
+from accumix.precision.reduce_dtype import EffectiveDtypes
 from accumix.step.accumulation import rescale_grads_
 from accumix.step.compile import Compiler, reporting_failures
 from accumix.strategies import deepspeed_probe, deepspeed_state
@@ -85,7 +87,7 @@ from accumix.strategies.deepspeed_loss_scale import EngineLossScale
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.node_groups import check_groups_within_nodes, hpz_partition_size
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
-from accumix.strategies.optimizer_exactness import check_deepspeed
+from accumix.strategies.optimizer_exactness import check_deepspeed, is_elementwise
 
 
 # -- the strategy ----------------------------------------------------------------------------
@@ -121,6 +123,7 @@ class DeepSpeedStrategy(Strategy):
     """
 
     name = "deepspeed"
+    honours_reduce_dtype = True  # communication_data_type
 
     def __init__(self, *, stage: int = 2, config: dict[str, Any] | str | Path | None = None,
                  hpz: str | int | None = None) -> None:
@@ -146,6 +149,7 @@ class DeepSpeedStrategy(Strategy):
         self._groups: dict[int, list[list[str]]] = {}  # id(engine) -> param groups' FQNs
         self._stepped: set[int] = set()  # ids of engines stepped since their last backward
         self._unstepped: set[int] = set()  # ids of engines with a backward since their step
+        self._reduced: set[int] = set()  # ids of engines with a boundary backward since their step
         self._owns_group = False
 
     def connect(self, *, launch: Any, device: torch.device, policy: Policy,
@@ -158,6 +162,20 @@ class DeepSpeedStrategy(Strategy):
             self.scaler = EngineLossScale(scaler, self._engines)
         else:
             self.scaler = NoLossScale()
+
+    def effective_dtypes(self) -> EffectiveDtypes:
+        """Under a half precision the engine stores the module in it, keeps float32 masters
+        and sums the window in float32; stage 1 reduces once per window, stages 2 and 3 on
+        every micro-step (each backward's reduce-scatter, added into float32 partitions)."""
+        assert self.policy is not None
+        half = self.policy.half_dtype
+        stored = dtype_name(half) if half is not None else "float32"
+        return EffectiveDtypes(
+            params=stored, compute=dtype_name(self.policy.compute_dtype),
+            accumulation="float32", masters="float32",
+            reduction=dtype_name(self.policy.reduce_dtype) if self.world_size > 1 else "none",
+            reductions="once per optimizer step" if self.stage == 1 else
+            f"every micro-step: ZeRO stage {self.stage} reduces each backward")
 
     @property
     def loss_scale(self) -> float | None:
@@ -210,7 +228,8 @@ class DeepSpeedStrategy(Strategy):
         make_parameters_contiguous_(model)  # channels_last: DeepSpeed flattens parameters
         if self.policy.half_dtype is not None:
             float32_norm_forward(model)  # the engine stores them in half, beside fp32 buffers
-        engine = initialize(model, optimizers[0], config, self.device)
+        engine = initialize(model, optimizers[0], config, self.device,
+                            vouched=is_elementwise(optimizers[0]))
         engine.set_gradient_accumulation_boundary(True)
         if self._distributed:
             agree_buffers_after_forward(engine, engine.module, self.broadcast)
@@ -269,9 +288,19 @@ class DeepSpeedStrategy(Strategy):
     def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         # The façade already divided by K (or the item hint); the engine adds only its fp16 scale.
         engine = self._engine(model)
+        at_boundary = engine.is_gradient_accumulation_boundary()
+        if at_boundary and id(engine) in self._reduced:
+            # Each boundary backward reduces and *copies* into the partitions the step reads
+            # (ZeRO 1/2/3, 0.19.8): an earlier backward's gradients of this micro-step are lost.
+            raise ConfigError(
+                "strategy='deepspeed' takes one backward on a window's last micro-step, then "
+                "optimizer.step() (a second one there replaces the first's gradients in the "
+                "engine); sum the losses into one acc.backward(), num_items= their total")
         engine.backward(loss, scale_wrt_gas=False)
         self._stepped.discard(id(engine))
         self._unstepped.add(id(engine))
+        if at_boundary:
+            self._reduced.add(id(engine))
 
     def reduce_deferred_grads(self, model: nn.Module) -> None:
         # The engine reduces (and fills the partitions its step reads) only in a backward at
@@ -333,6 +362,7 @@ class DeepSpeedStrategy(Strategy):
             engine.step()
             self._stepped.add(id(engine))
             self._unstepped.discard(id(engine))
+            self._reduced.discard(id(engine))
             self._scale_updates[id(engine)]()
             if self.stage == 3:
                 clear_stage3_grad_partitions(engine.optimizer)

@@ -36,6 +36,16 @@ def is_elementwise(optimizer: Optimizer) -> bool:
                                   and cls.__name__ in _DEEPSPEED_ELEMENTWISE)
 
 
+def is_per_parameter(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is one accumix knows to read only its own parameter, as a whole
+    (torch's Adafactor, timm's Lamb and Lars without an in-optimizer clip): exact under zero1,
+    not under flat partitions."""
+    cls = type(optimizer)
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    return (adafactor is not None and isinstance(optimizer, adafactor)) or (
+        cls.__module__.startswith("timm.optim") and cls.__name__ in ("Lamb", "Lars"))
+
+
 def reads_across_parameters(optimizer: Optimizer) -> str | None:
     """Why ``optimizer``'s update of one parameter reads others, or None when it does not."""
     if isinstance(optimizer, torch.optim.LBFGS):
@@ -72,10 +82,15 @@ def check_deepspeed(optimizer: Optimizer, user_allows_untested: bool) -> None:
     if is_elementwise(optimizer) or user_allows_untested:
         return
     name = type(optimizer).__name__
-    where = "'ddp'" if reads_across_parameters(optimizer) else "'zero1' or 'ddp'"
+    if reads_across_parameters(optimizer):
+        where = f"strategy='ddp', where {name} is exact"
+    elif is_per_parameter(optimizer):
+        where = f"strategy='zero1' or 'ddp', where {name} is exact"
+    else:  # zero1 runs it unchecked: it is exact there only if it reads its own parameter
+        where = (f"strategy='ddp', where any optimizer is exact (or 'zero1' if {name}'s update "
+                 "reads only its own parameter: zero1 does not check it)")
     raise ConfigError(
         f"strategy='deepspeed' cuts parameters into flat partitions, which changes {name}'s "
-        f"update unless it is element-wise (as SGD and Adam are); use strategy={where}, where "
-        f"{name} is exact, or set zero_allow_untested_optimizer: true in the DeepSpeed config "
-        "to accept the difference"
+        f"update unless it is element-wise (as SGD and Adam are); use {where}, or set "
+        "zero_allow_untested_optimizer: true in the DeepSpeed config to accept the difference"
     )

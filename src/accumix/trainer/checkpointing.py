@@ -1,15 +1,16 @@
 """The Trainer's checkpoints: ``save_checkpoint`` writes the run through the steps object with
 the loop's own state (``run_state.py``) in ``meta.json``; ``load_checkpoint`` resumes from a run
-directory's ``latest`` or a step directory and puts that state back."""
+directory's ``latest`` or a step directory and puts that state back; a pre-emption saves the
+step it was agreed at (once) and stops the fit with ``Preempted``."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from accumix.common import run_dir as layout
-from accumix.errors import ConfigError
+from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 
 if TYPE_CHECKING:
     from accumix.trainer.trainer import Trainer
@@ -27,7 +28,7 @@ def save_checkpoint(trainer: Trainer) -> Path | None:
         return None
     path = trainer.steps.save(trainer.run_dir, trainer.keep_checkpoints, trainer.state_dict(),
                               lambda tmp: trainer.dispatch("on_write_checkpoint", tmp))
-    trainer._saved_step = trainer.step
+    trainer._saved_step, trainer._saved_path = trainer.step, path
     trainer.dispatch("on_save_checkpoint", path)
     return path
 
@@ -42,7 +43,7 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, missing_ok: bool) -> 
         raise ConfigError(f"no checkpoint at {str(path)!r}: it has no 'latest'")
     trainer.steps.load(path)
     trainer.step = trainer.steps.optimizer_steps
-    trainer._saved_step = trainer.step
+    trainer._saved_step, trainer._saved_path = trainer.step, layout.resolve(path)
     trainer.resumed_from = path
     trainer.epoch = trainer.steps.epoch
     trainer.load_state_dict(layout.extra_state(layout.resolve(path)))
@@ -50,3 +51,20 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, missing_ok: bool) -> 
         log.info("resumed from %s at step %d", path, trainer.step)
     trainer.dispatch("on_load_checkpoint", path)
     return path
+
+
+def save_for_preemption(trainer: Trainer) -> Path | None:
+    """``trainer.save_for_preemption()``: the checkpoint of this step, saved now or already
+    (a signal during that step's own save needs no second one)."""
+    if trainer._saved_step == trainer.step and trainer._saved_path is not None:
+        return trainer._saved_path
+    return save_checkpoint(trainer)
+
+
+def stop_preempted(trainer: Trainer) -> NoReturn:
+    """``trainer.stop_preempted()``: saves (collective) and raises ``Preempted``."""
+    path = save_for_preemption(trainer)
+    if trainer.accelerator.is_main_process:
+        log.warning("pre-empted: saved %s at step %d; stopping (exit status %d: requeue the "
+                    "job to resume)", path, trainer.step, PREEMPTED_EXIT_CODE)
+    raise Preempted(trainer.step, path)

@@ -44,7 +44,12 @@ def _type_name(hint: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
     if origin is tuple:
-        return "[" + ", ".join(_type_name(a) for a in typing.get_args(hint)) + "]"
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = {int: "integers", float: "numbers", bool: "true/false values",
+                     str: "strings"}.get(args[0], _type_name(args[0]))
+            return f"a list of {items}, e.g. [x,y]"
+        return "[" + ", ".join(_type_name(a) for a in args) + "]"
     if hint is type(None):
         return "null"
     if dataclasses.is_dataclass(hint):
@@ -83,6 +88,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin is tuple:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
+            if isinstance(value, str) and args[0] is str:
+                # loggers=mlflow and loggers=csv,mlflow mean the lists a user would bracket
+                value = [part.strip() for part in value.split(",")]
             if not isinstance(value, (list, tuple)):
                 raise ConfigError(f"{key}={value!r} is invalid; use a list of "
                                   f"{_type_name(args[0])}")

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, Subset
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+    SubsetRandomSampler,
+)
 
 from accumix.data.loader import move_to_device
 from accumix.errors import ConfigError
@@ -25,6 +32,12 @@ from accumix.trainer.metrics import batch_samples, split_loss
 def shard_for_eval(loader: DataLoader, rank: int, world_size: int) -> tuple[DataLoader, int]:
     """This rank's share of a validation loader, and the most batches any rank gets.
 
+    The samples evaluated are those one process would evaluate, on any world size: the
+    sampler's indices (all of them for no sampler or a shuffle, a ``SubsetRandomSampler``'s
+    own; the order never changes a sum), and with ``drop_last`` the whole batches of them in
+    that order (a shuffled loader's dropped remainder would be another each time). Rank ``r``
+    takes every W-th of them from the ``r``-th, without dropping anything more.
+
     Args:
         loader: the user's (unsharded) validation DataLoader.
         rank: this rank.
@@ -33,26 +46,54 @@ def shard_for_eval(loader: DataLoader, rank: int, world_size: int) -> tuple[Data
     Returns:
         ``(loader, max_batches)``; an iterable dataset or a custom batch sampler cannot be split,
         so every rank then runs the whole loader (``max_batches`` is -1: each rank's own count).
+
+    Raises:
+        ConfigError: a sampler whose samples cannot be known in advance (a weighted or
+            with-replacement draw, a user's sampler) on several ranks.
     """
-    if world_size == 1 or isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
+    if isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
         return loader, -1
-    size = len(loader.dataset)  # type: ignore[arg-type]
+    random_order = isinstance(loader.sampler, (RandomSampler, SubsetRandomSampler))
+    if world_size == 1 and not (loader.drop_last and random_order):
+        return loader, -1  # one process evaluates exactly what the loader yields
+    indices = _evaluated_indices(loader, world_size)
     batch = loader.batch_size
-
-    def batches(r: int) -> int:
-        n = len(range(r, size, world_size))
-        return n // batch if loader.drop_last else math.ceil(n / batch)
-
+    if loader.drop_last:
+        indices = indices[:len(indices) // batch * batch]
+    workers = loader.num_workers
     shard = DataLoader(
-        Subset(loader.dataset, range(rank, size, world_size)),
+        Subset(loader.dataset, indices[rank::world_size]),
         batch_size=batch,
         shuffle=False,
-        num_workers=loader.num_workers,
+        num_workers=workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers if workers else False,
     )
-    return shard, max(batches(r) for r in range(world_size))
+    return shard, math.ceil(len(indices[0::world_size]) / batch)
+
+
+def _evaluated_indices(loader: DataLoader, world_size: int) -> list[int]:
+    """The dataset indices the loader's sampler covers, in a fixed order (no random draw)."""
+    sampler, size = loader.sampler, len(loader.dataset)  # type: ignore[arg-type]
+    if isinstance(sampler, SequentialSampler):
+        return list(range(size))
+    if isinstance(sampler, RandomSampler) and not sampler.replacement \
+            and sampler.num_samples == size:
+        return list(range(size))  # every sample once, shuffled: the same set
+    if isinstance(sampler, SubsetRandomSampler):
+        return [int(i) for i in sampler.indices]
+    raise ConfigError(
+        f"val_loader's sampler {type(sampler).__name__} cannot be split over {world_size} "
+        "ranks without changing which samples are evaluated; give the samples as "
+        "torch.utils.data.Subset(dataset, indices) (or a SubsetRandomSampler) and no other "
+        "sampler: the Trainer shards the validation set itself"
+    )
 
 
 @torch.no_grad()

@@ -8,12 +8,12 @@ its metrics stay on the device in a buffer that is read (one transfer for all of
 callback that stops the run (early stopping, a NaN guard) acts at the next read.
 
 A SIGTERM (or another of ``preemption_signals``) on any process is agreed at the next read
-(one tiny host collective): every process saves at the same window, then exits 0.
+(one tiny host collective): every process saves at the same window, then the Trainer stops as
+pre-empted (``accumix.Preempted``: trackers closed as pre-empted, exit status 143).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import signal
 import time
@@ -36,9 +36,6 @@ from accumix.trainer.system_metrics import SystemSampler, system_columns
 if TYPE_CHECKING:
     from accumix.trainer.trainer import Trainer
 
-log = logging.getLogger("accumix")
-
-
 class JaxSteps:
     """accumix.jax's training for the Trainer.
 
@@ -52,7 +49,7 @@ class JaxSteps:
         val_loss_fn: the loss for validation (default: ``loss_fn``; called with ``rng=None``).
         lr: the learning rate at an optimizer step, for the logged row (``schedule(step)``).
         read_every: read the buffered metrics every this many steps.
-        preemption_signals: signals that mean "save at the next read and exit 0".
+        preemption_signals: signals that mean "save at the next read and stop" (exit 143).
     """
 
     backend = "jax"
@@ -66,6 +63,12 @@ class JaxSteps:
         self.state = state
         self.train_loader = train_windows
         self.val_loader = val_loader
+        self._val_shard: tuple[Any, int] | None = None
+        if val_loader is not None:  # a sampler that cannot be split is refused here
+            from accumix.trainer.evaluation import shard_for_eval
+
+            self._val_shard = shard_for_eval(val_loader, accelerator.rank,
+                                             accelerator.world_size)
         self.loss_fn, self.val_loss_fn = loss_fn, val_loss_fn or loss_fn
         self.lr = lr or (lambda _: math.nan)
         self.read_every = read_every
@@ -183,21 +186,26 @@ class JaxSteps:
         return bool(rows[:, 0].any()), system_columns(rows[:, 1:].tolist()) if sampled else {}
 
     def _save_and_exit(self, trainer: Trainer) -> None:
-        """Some process was signalled: save here and exit 0 (every process)."""
-        path = trainer.save_checkpoint()
-        if self.accelerator.is_main_process:
-            log.info("pre-empted: saved %s at step %d; exiting", path, self._host_step)
-        raise SystemExit(0)
+        """Some process was signalled: save here and stop as pre-empted (every process)."""
+        trainer.stop_preempted()
+
+    def first_error(self, message: str | None) -> str | None:
+        """The first process's error message, on every process (one host gather)."""
+        from jax.experimental import multihost_utils
+
+        text = (message or "").encode()[:1000].ljust(1000)
+        every = multihost_utils.process_allgather(np.frombuffer(text, np.uint8))
+        texts = [bytes(row).decode(errors="replace").rstrip() for row in np.asarray(every)]
+        return next((t for t in texts if t), None)
 
     # -- evaluation and checkpoints --------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """The validation loss over every process (collective), read once."""
-        from accumix.trainer.evaluation import shard_for_eval
-
         acc = self.accelerator
         if self._eval_fn is None:
             self._eval_fn = acc.eval_step(self.val_loss_fn)
-        loader, max_batches = shard_for_eval(self.val_loader, acc.rank, acc.world_size)
+        assert self._val_shard is not None
+        loader, max_batches = self._val_shard
         total = None
         last = None
         iterator = iter(loader)

@@ -141,6 +141,32 @@ class JSONLLogger(MetricLogger):
             self._file = None
 
 
+def read_rows(run_dir: Path, *, after: int, through: int) -> list[dict[str, Any]] | None:
+    """The logged rows of steps ``after < step <= through``, from ``metrics.csv`` (numbers
+    as numbers, empty cells left out) or else ``metrics.jsonl``; None when neither is there."""
+    csv_path, jsonl_path = Path(run_dir) / "metrics.csv", Path(run_dir) / "metrics.jsonl"
+    if csv_path.exists():
+        with csv_path.open(newline="") as f:
+            rows = [{k: _parse(v) for k, v in r.items() if v not in ("", None)}
+                    for r in csv.DictReader(f)]
+    elif jsonl_path.exists():
+        rows = [{k: _parse(v) for k, v in json.loads(line).items()}
+                for line in jsonl_path.read_text().splitlines() if line.strip()]
+    else:
+        return None
+    return [r for r in rows if after < int(r["step"]) <= through]
+
+
+def _parse(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        number = float(value)  # "nan" and "inf" too, as the JSON lines write them
+    except ValueError:
+        return value
+    return int(number) if number.is_integer() and value.lstrip("-").isdigit() else number
+
+
 def tensorboard_available() -> bool:
     """Whether the ``tensorboard`` package (needed by ``torch.utils.tensorboard``) is installed."""
     return importlib.util.find_spec("tensorboard") is not None
@@ -183,6 +209,22 @@ class TensorBoardLogger(MetricLogger):
             self._writer = None
 
 
+def check_logger_words(words: Sequence[str]) -> None:
+    """Each word once, each one known.
+
+    Raises:
+        ConfigError: an unknown word, or one given twice (it would log every row twice).
+    """
+    for index, word in enumerate(words):
+        if word not in LOGGER_WORDS:
+            raise ConfigError(
+                f"unknown logger {word!r}; use {', '.join(LOGGER_WORDS)} or a MetricLogger"
+            )
+        if word in words[:index]:
+            raise ConfigError(f"logger {word!r} is given twice, which would log every row "
+                              f"twice; list each logger once")
+
+
 def resolve_loggers(loggers: Sequence[str | MetricLogger] | None, *, log_model: bool = False,
                     run_name: str | None = None) -> list[MetricLogger]:
     """Turns logger words into loggers; the one place that knows them.
@@ -194,12 +236,14 @@ def resolve_loggers(loggers: Sequence[str | MetricLogger] | None, *, log_model: 
         run_name: trackers' run name (default: the run directory's name).
 
     Raises:
-        ConfigError: an unknown word, or a logger whose library is not installed.
+        ConfigError: an unknown word, one given twice, or a logger whose library is not
+            installed.
     """
     if loggers is None:
         loggers = ["csv", "jsonl", *(["tensorboard"] if tensorboard_available() else [])]
     from accumix.trainer.trackers import TRACKER_WORDS, make_tracker
 
+    check_logger_words([item for item in loggers if isinstance(item, str)])
     out: list[MetricLogger] = []
     for item in loggers:
         if isinstance(item, MetricLogger):

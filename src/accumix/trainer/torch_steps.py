@@ -16,6 +16,7 @@ its own; this only reads them.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ from accumix.common.micro_batch_search import is_auto
 from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
 from accumix.memory.micro_batch_probe import batch_maker
+from accumix.runtime.fault import PreemptionHandler
 from accumix.step.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
 from accumix.trainer.metrics import (
@@ -41,6 +43,8 @@ from accumix.trainer.metrics import (
 
 if TYPE_CHECKING:
     from accumix.trainer.trainer import Trainer
+
+log = logging.getLogger("accumix")
 
 StepFn = Callable[[nn.Module, Any], Any]
 
@@ -89,7 +93,11 @@ class TorchSteps:
         self.step_fn = step_fn or default_step
         self.val_step_fn = val_step_fn or self.step_fn
         self.val_loader = val_loader
+        # This rank's share, built once (a sampler that cannot be split is refused here)
+        self._val_shard = shard_for_eval(val_loader, acc.rank, acc.world_size) \
+            if val_loader is not None else None
         self._meter: WindowMeter | None = None
+        self._preemption: PreemptionHandler | None = None
 
     # -- what the loop reads -------------------------------------------------------------------
     @property
@@ -124,12 +132,44 @@ class TorchSteps:
                 self.accelerator.device, trainer.system_metrics_every))
         got_batch = False
         for batch in self.train_loader:
+            if self._preempted():  # agreed and saved between the last window and this batch
+                trainer.stop_preempted()
             got_batch = True
             trainer.epoch = self.train_loader.epoch
             self._micro_step(trainer, batch)
             if trainer.micro_step == 0 and trainer.done():
                 break
+        if self._preempted():  # agreed after the epoch's last window
+            trainer.stop_preempted()
         return got_batch
+
+    def watch_preemption(self, trainer: Trainer) -> None:
+        """SIGTERM on any rank: every rank saves the Trainer's checkpoint at the next window
+        boundary (``acc.handle_preemption``, one scalar all-reduce per window), then the loop
+        stops (``trainer.stop_preempted``). Off, with a warning, where a save mid-epoch is
+        impossible (a loader that cannot resume mid-epoch) or signals cannot be caught (not
+        the main thread)."""
+        try:
+            self._preemption = self.accelerator.handle_preemption(
+                trainer.run_dir, keep_last=trainer.keep_checkpoints, exit=False,
+                save=trainer.save_for_preemption)
+        except ConfigError as exc:
+            if self.accelerator.is_main_process:
+                log.warning("a pre-emption signal (SIGTERM) will not be saved: %s", exc)
+
+    def _preempted(self) -> bool:
+        return self._preemption is not None and self._preemption.triggered
+
+    def close(self) -> None:
+        """Puts the signal handlers back (the Trainer calls it when ``fit`` ends)."""
+        if self._preemption is not None:
+            self._preemption.close()
+            self._preemption = None
+
+    def first_error(self, message: str | None) -> str | None:
+        """The first rank's error message, on every rank (collective)."""
+        messages = self.accelerator.strategy.all_gather_object(message)
+        return next((m for m in messages if m is not None), None)
 
     def _micro_step(self, trainer: Trainer, batch: Any) -> None:
         acc, optimizer, meter = self.accelerator, self.optimizer, self._meter
@@ -181,12 +221,11 @@ class TorchSteps:
     # -- evaluation and checkpoints --------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """The validation loss over all ranks (collective); ``{}`` without a val_loader."""
-        if self.val_loader is None:
+        if self._val_shard is None:
             return {}
-        acc = self.accelerator
-        loader, max_batches = shard_for_eval(self.val_loader, acc.rank, acc.world_size)
-        return evaluate(self.model, loader, self.val_step_fn, acc, max_batches=max_batches,
-                        sharded=max_batches >= 0)
+        loader, max_batches = self._val_shard
+        return evaluate(self.model, loader, self.val_step_fn, self.accelerator,
+                        max_batches=max_batches, sharded=max_batches >= 0)
 
     def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
              before_publish: Callable[[Path], None] | None = None) -> Path:

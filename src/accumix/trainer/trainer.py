@@ -21,6 +21,11 @@ A checkpoint holds the loop's own state too: whether a callback stopped the run,
 losses, and every callback's ``state_dict()``. A finished run (``max_steps``, ``max_epochs`` or
 a callback's stop) that is run again loads it and does nothing more: ``fit`` reports the saved
 result.
+
+Pre-emption: with a run directory, a SIGTERM on any rank is agreed at the next window boundary
+(torch: ``acc.handle_preemption``; JAX: at the next metrics read), every rank saves there,
+the trackers close as pre-empted and ``fit`` raises ``accumix.Preempted`` (a ``SystemExit``
+with status 143, which schedulers retry); the requeued job resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from accumix.errors import ConfigError
 from accumix.trainer import checkpointing, run_state
@@ -39,6 +44,7 @@ from accumix.trainer.events import Callback
 from accumix.trainer.loggers import MetricLogger, resolve_loggers
 from accumix.trainer.metrics import StepMetrics
 from accumix.trainer.progress import ProgressBar
+from accumix.trainer.run_outputs import RunOutputs
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -83,14 +89,16 @@ class Trainer:
         eval_every: evaluate every this many steps (and at the end); None: only at the end.
         checkpoint_every: save ``acc.save_state(run_dir)`` every this many steps and at the end;
             None: no checkpoints.
-        run_dir: where metrics, checkpoints and plots go; None: no files at all.
-        resume: continue from ``run_dir/latest`` when it exists.
+        run_dir: where metrics, checkpoints and plots go; None: no files at all. One live
+            job per run directory: a second one is refused while the first runs.
+        resume: continue from ``run_dir/latest`` when it exists; False starts afresh (metric
+            files restarted, new tracker runs).
         keep_checkpoints: keep only this many newest checkpoints (None: all).
         grad_clip: the max gradient norm; None: no clipping (the norm is still logged).
         callbacks: more callbacks, called after the built-in ones in this order.
         loggers: logger words (``"csv"``, ``"jsonl"``, ``"tensorboard"``, ``"mlflow"``,
-            ``"wandb"``, ``"clearml"``) or ``MetricLogger`` objects; default csv + jsonl
-            (+ tensorboard when installed). Need ``run_dir``.
+            ``"wandb"``, ``"clearml"``; each once) or ``MetricLogger`` objects; default csv +
+            jsonl (+ tensorboard when installed). Need ``run_dir``.
         log_model: trackers named by word upload the final ``run_dir/model.safetensors``
             when it was written before they close (after ``on_fit_end``).
         run_name: trackers' run name and ``job`` tag (default: the run directory's name).
@@ -102,6 +110,7 @@ class Trainer:
 
     Raises:
         ConfigError: neither ``max_steps`` nor ``max_epochs``, a count below 1, or an empty loader.
+        Preempted: from ``fit``, after a pre-emption signal was saved (see the module doc).
     """
 
     def __init__(
@@ -182,6 +191,8 @@ class Trainer:
         self.last_val: dict[str, float] = {}
         self.resumed_from: Path | None = None
         self._saved_step = -1
+        self._saved_path: Path | None = None
+        self._outputs = RunOutputs(self)
         self._evaluated_step = -1
         self._warned_no_checkpoint = False
         self._stopped_by: str | None = None  # the key of the callback that stopped the run
@@ -246,23 +257,26 @@ class Trainer:
             Whatever the loop raised, after every callback's ``on_exception``.
         """
         started = time.perf_counter()
-        acc = self.accelerator
+        outputs = self._outputs = RunOutputs(self)
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        outputs.lock()  # before anything in the run directory is read (collective)
         try:
+            watch = getattr(self.steps, "watch_preemption", None)
+            if watch is not None and self.run_dir is not None:
+                watch(self)  # from here a SIGTERM is saved at the next window boundary
             self.dispatch("on_fit_start")
             if self.resume and self.run_dir is not None:
                 self.load_checkpoint(self.run_dir, missing_ok=True)
-            if acc.is_main_process:
-                self._open_loggers()
+            outputs.open()
             self._train()
             if self.val_loader is not None and self._evaluated_step != self.step:
                 self.validate()
             if self.checkpoint_every is not None and self._saved_step != self.step:
                 self.save_checkpoint()
-        except BaseException as exc:
+        except BaseException as exc:  # a Preempted too: the trackers close as pre-empted
             self.dispatch("on_exception", exc)
-            self._close_loggers()
+            outputs.close()
             raise
         finally:
             close = getattr(self.steps, "close", None)
@@ -271,7 +285,7 @@ class Trainer:
         try:
             self.dispatch("on_fit_end")  # may write model.safetensors for log_model
         finally:
-            self._close_loggers()
+            outputs.close()
         last, saved = self.last_metrics, self._saved_result
         if last is None and saved:  # a finished run run again: what it reported then
             loss, epoch = saved["loss"], saved["epoch"]
@@ -281,20 +295,15 @@ class Trainer:
                          val_loss=self.last_val.get("val_loss"), resumed_from=self.resumed_from,
                          seconds=time.perf_counter() - started)
 
-    def _open_loggers(self) -> None:
-        from accumix.trainer.run_facts import run_facts
+    def stop_preempted(self) -> NoReturn:
+        """Every rank agreed on a pre-emption signal at this window boundary (the steps object
+        calls it): saves here unless this step is saved, and raises ``Preempted``
+        (collective)."""
+        checkpointing.stop_preempted(self)
 
-        if self.run_dir is None:
-            return  # no run directory, no loggers
-        name = self.run_name or self.run_dir.resolve().name
-        params = {**run_facts(self), "config": self.config} if self.config else run_facts(self)
-        for logger in self.loggers:
-            logger.open(self.run_dir, resume_step=self.step)
-            logger.log_params(params, tags={"job": name})
-
-    def _close_loggers(self) -> None:
-        for logger in self.loggers if self.accelerator.is_main_process else ():
-            logger.close()
+    def save_for_preemption(self) -> Path | None:
+        """The checkpoint of this step: saved now, or the one already saved at it."""
+        return checkpointing.save_for_preemption(self)
 
     def done(self) -> bool:
         """The run has reached its end (max_steps, max_epochs, or a callback's
@@ -324,14 +333,13 @@ class Trainer:
         """After an optimizer step (called by the steps object): callbacks, evaluation, the
         logged row, the checkpoint."""
         self.step, self.micro_step, self.last_metrics = metrics.step, 0, metrics
+        self._outputs.note_geometry(metrics)
         self.dispatch("on_optimizer_step", metrics)
         stepped = not metrics.skipped
         if stepped and self.eval_every and self.step % self.eval_every == 0:
             metrics.extra.update(self.validate())
         if self.accelerator.is_main_process:
-            row = metrics.as_row()
-            for logger in self.loggers:
-                logger.log(row)
+            self._outputs.log(metrics.as_row())
         if stepped and self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self.save_checkpoint()
 

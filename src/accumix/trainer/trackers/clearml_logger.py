@@ -18,11 +18,12 @@ from typing import Any
 
 from typing_extensions import override
 
-from accumix.errors import ConfigError
+from accumix.errors import ConfigError, Preempted
 from accumix.trainer.trackers.base import TrackerLogger, first_line
 
 # run_outcome's words in ClearML's (its own at-exit hook marks Ctrl-C "stopped")
-_STATUS = {"FINISHED": "completed", "FAILED": "failed", "KILLED": "stopped"}
+_STATUS = {"FINISHED": "completed", "FAILED": "failed", "KILLED": "stopped",
+           "PREEMPTED": "stopped"}
 
 # Every framework ClearML would patch, off: an empty dict would mean "all on" in some versions.
 _NO_FRAMEWORKS = {name: False for name in (
@@ -127,6 +128,8 @@ class ClearMLLogger(TrackerLogger):
         task, self._task = self._task, None
         exc = sys.exc_info()[1]
         reason = first_line(exc) if exc is not None and status != "FINISHED" else status.lower()
+        if isinstance(exc, Preempted):
+            reason = f"pre-empted: saved step {exc.step}; the requeued job continues it"
         if self._offline:
             # Offline, ClearML's status calls send nothing and close() leaves no status in the
             # session's task.json: the status is written into the task's data, which close()
@@ -140,5 +143,5 @@ class ClearMLLogger(TrackerLogger):
         task.close()
         if status == "FAILED":
             task.mark_failed(status_reason=reason, force=True)
-        elif status == "KILLED":
+        elif status in ("KILLED", "PREEMPTED"):
             task.stopped(status_reason=reason, force=True)

@@ -5,6 +5,10 @@ Rows are logged with ``step=`` the optimizer step. W&B's history cannot be rewri
 resumed run's repeated steps are below the run's last step and W&B ignores them (the first
 attempt's values stay; accumix resumes exactly, so they are the same numbers); offline, each
 attempt is its own ``offline-run-*`` directory under the same run id, synced in order.
+
+wandb-core (a process of its own) buffers what it is sent and writes it when the run finishes:
+an attempt killed before ``finish`` leaves its rows nowhere (no call makes it write them
+earlier), so the next attempt re-sends them from ``metrics.csv`` (``base.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from accumix.errors import ConfigError
+from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
 from accumix.trainer.trackers.base import TrackerLogger, first_line
 
 
@@ -35,6 +39,7 @@ class WandbLogger(TrackerLogger):
 
     word = "wandb"
     module = "wandb"
+    buffers_rows = True
 
     def __init__(self, *, project: str | None = None, mode: str | None = None,
                  log_model: bool = False, run_name: str | None = None) -> None:
@@ -86,5 +91,10 @@ class WandbLogger(TrackerLogger):
 
     @override
     def _finish(self, status: str) -> None:
-        self._run.finish(exit_code=0 if status == "FINISHED" else 1)
+        if status == "PREEMPTED":
+            # W&B's own word for it: a preempting run that exits non-zero shows as preempted
+            self._run.mark_preempting()
+            self._run.finish(exit_code=PREEMPTED_EXIT_CODE)
+        else:
+            self._run.finish(exit_code=0 if status == "FINISHED" else 1)
         self._run = None

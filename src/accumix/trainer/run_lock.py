@@ -1,0 +1,86 @@
+"""One live job per run directory: an exclusive ``flock`` on ``run_dir/.lock``.
+
+Two jobs writing one run directory (a restart while the first job's workers still train, two
+submissions of one config) interleave checkpoints, ``latest``, ``metrics.csv`` and one tracker
+run. The Trainer's main process holds the lock from the start of ``fit`` to its end; the kernel
+drops it when that process dies, however it dies, so a killed job never leaves a stale lock
+(the file stays, holding the last holder's pid for the message).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+from accumix.errors import ConfigError
+
+log = logging.getLogger("accumix")
+
+LOCK_FILE = ".lock"
+
+
+class RunDirLock:
+    """The held lock of one run directory; ``release()`` (or the process's end) frees it."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        """Frees the lock (the file stays: removing it would race a job that opened it)."""
+        if self._fd < 0:
+            return
+        import fcntl
+
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def lock_run_dir(run_dir: Path) -> RunDirLock | None:
+    """Takes ``run_dir``'s lock for this process (None where ``fcntl`` is missing, Windows,
+    or the filesystem cannot lock: a warning says so).
+
+    Raises:
+        ConfigError: another live process holds it (named by its pid and host), or the
+            directory cannot be written.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    path = run_dir / LOCK_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"run directory {str(run_dir)!r} cannot be written ({exc.strerror}); "
+                          "give a writable one") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} is in use by a live job ({holder}); wait for it "
+            "to end (or stop it), or give this job another run directory (output_dir=)"
+        ) from None
+    except OSError as exc:  # a filesystem without flock (some network mounts): no guard
+        os.close(fd)
+        log.warning("run directory %s cannot be locked (%s): a second job there would not be "
+                    "refused", run_dir, exc.strerror)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return RunDirLock(path, fd)
+
+
+def check_run_dir_free(run_dir: Path) -> None:
+    """Raises the ``lock_run_dir`` error now if a live job holds ``run_dir`` (takes the lock
+    and gives it back: for a launcher, before it starts any worker)."""
+    if not (run_dir / LOCK_FILE).exists():
+        return
+    held = lock_run_dir(run_dir)
+    if held is not None:
+        held.release()
