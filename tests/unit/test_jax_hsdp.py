@@ -186,3 +186,10 @@ def test_memory_rows_auto_and_estimate_memory_know_hsdp(capsys) -> None:
     assert main(["estimate-memory", "--backend", "jax", "--params", "1e6", "--world-size", "2",
                  "--nodes", "2"]) == 2
     assert "hsdp needs 2 or more" in capsys.readouterr().err
+    # Issue 33: the reduction's bytes (float32 unless told), and the recipe's key on JAX.
+    assert main(["estimate-memory", "--backend", "jax", "--params", "1e6", "--world-size", "2",
+                 "--reduce-dtype", "bf16", "--device-gib", "1"]) == 0
+    assert "gradient reduction in bfloat16: 1.9 MiB per device" in capsys.readouterr().out
+    from accumix.cli.train import load_train_config
+
+    assert load_train_config(["backend=jax", "reduce_dtype=bf16"]).reduce_dtype == "bf16"

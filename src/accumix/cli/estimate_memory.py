@@ -105,7 +105,9 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--nodes={args.nodes} leaves one device per node of "
                               f"--world-size={world}: hsdp needs 2 or more; use fewer nodes")
         _host_devices(world)
-        return _run_jax(args, config, world, precision)
+        # JAX reduces in float32 under every precision unless told (accumix.jax.wire).
+        wire = reduce_dtype_of(args.reduce_dtype or config.reduce_dtype or "fp32", precision)
+        return _run_jax(args, config, world, precision, wire)
     micro = config.micro_batch_size
     if micro == "auto" and args.params is None:
         micro = _probe_recipe(config)  # the choice accumix train makes here, without training
@@ -177,7 +179,8 @@ def reduction_line(trainable: int, reduce_dtype: str, world: int, grad_accum_ste
             f"sync_each_microstep and deepspeed stages 2-3 reduce every micro-step: {each})")
 
 
-def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str) -> int:
+def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str,
+             reduce_dtype: str = "float32") -> int:
     """The JAX backend's table (``accumix.jax.memory``): per device of a ``devices`` mesh, each
     device ``micro_batch_size`` rows (``accumix launch``: one device per process). The
     recipe's activations are measured: its window step compiled for one device (never run,
@@ -233,6 +236,17 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
         f"{devices} devices")
     print(f"{label}, {precision}, JAX, {where}, {device_bytes / 2**30:.1f} GiB per device")
     print(format_jax_table(estimates, device_bytes=device_bytes))
+    trainable = params if isinstance(params, int) else gpt_jax.num_parameters(shape)
+    steps = None if args.params is not None or not isinstance(config.micro_batch_size, int) else (
+        max(1, config.global_batch_size // (devices * config.micro_batch_size)))
+    if devices > 1:  # the JAX strategies' reduction (accumix.jax.wire), one device's payload
+        from accumix.precision.reduce_dtype import reduction_bytes
+
+        once = reduction_bytes(trainable, reduce_dtype) / 2**20
+        each = f"{steps} x that" if steps else "K x that"
+        print(f"gradient reduction in {reduce_dtype}: {once:,.1f} MiB per device per optimizer "
+              f"step (every strategy once after the window; fsdp-sync's and hsdp's "
+              f"reduce-scatter every micro-step: {each})")
     print(f"auto: {reason}")
     return 0
 
