@@ -56,6 +56,9 @@ def make_loss(layers: int, scan: bool = False):
 
 
 def strategy(word: str):
+    """The strategy of a row; hsdp's rows: 2 replicas (2 simulated nodes of 2 devices)."""
+    if word.startswith("hsdp"):
+        return axj.HSDPStrategy(replicas=2, defer_reduce_scatter=word == "hsdp-defer")
     return axj.FSDPStrategy(sync_each_microstep=True) if word == "fsdp-sync" else word
 
 
@@ -110,7 +113,8 @@ def measure(word: str, precision: str, layers: int, kind: str = "") -> dict[str,
     model = {e.strategy: e for e in estimate_jax_memory(
         unstacked, optax.adam(1e-3),
         num_devices=len(jax.devices()), precision=precision,
-        platform=jax.devices()[0].platform, window_bytes=window_bytes)}[word]
+        platform=jax.devices()[0].platform, window_bytes=window_bytes,
+        replicas=2 if word.startswith("hsdp") else 1)}[word]
     return {"measured": int(stats.argument_size_in_bytes + stats.temp_size_in_bytes),
             "model": int(model.total_bytes)}
 

@@ -163,7 +163,8 @@ def strategy_objects() -> dict[str, axj.JaxStrategy]:
     in every process)."""
     return {"single": axj.SingleStrategy(), "ddp": axj.DDPStrategy(),
             "zero1": axj.ZeRO1Strategy(), "fsdp": axj.FSDPStrategy(),
-            "fsdp-sync": axj.FSDPStrategy(sync_each_microstep=True)}
+            "fsdp-sync": axj.FSDPStrategy(sync_each_microstep=True),
+            "hsdp": axj.HSDPStrategy()}  # replicas: the 2 processes, as 2 nodes of 2 devices
 
 
 def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStrategy]) -> None:
@@ -182,7 +183,7 @@ def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStr
         grads = jax.grad(lambda q, b=big: w.large_batch_loss(q, b, True))(ref)
         ref = jax.tree.map(lambda q, g: q - lr * g, ref, grads)
     diffs, same = {}, {}
-    for name in ("ddp", "zero1", "fsdp", "fsdp-sync"):
+    for name in ("ddp", "zero1", "fsdp", "fsdp-sync", "hsdp"):
         acc = axj.Accelerator(strategy=early[name], precision="fp32", grad_accum_steps=k)
         state = acc.setup(w.init_params(), optax.sgd(lr))
         step = acc.train_step(w.item_loss)

@@ -29,7 +29,12 @@ from accumix.errors import ConfigError
 from accumix.jax import trainable
 from accumix.jax.data import Window, canonical
 from accumix.jax.loss_scale import LossScaleRule
-from accumix.jax.memory import JaxMemoryEstimate, estimate_jax_memory, strategy_of_row
+from accumix.jax.memory import (
+    JaxMemoryEstimate,
+    estimate_jax_memory,
+    row_of,
+    strategy_of_row,
+)
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_step
@@ -100,9 +105,10 @@ def measured_estimate(loss_fn: LossFn, params: Any, optimizer: Any, micro_batch:
                                 clip_norm=clip_norm, strategy=strategy)
     devices = strategy.num_devices
     window = devices * grad_accum_steps * sum(_nbytes(x) for x in jax.tree.leaves(micro_batch))
+    row = row_of(strategy)
     rows = estimate_jax_memory(params, optimizer, num_devices=devices, precision=precision,
-                               platform=jax.devices()[0].platform, window_bytes=window)
-    row = "fsdp-sync" if getattr(strategy, "sync_each_microstep", False) else strategy.name
+                               platform=jax.devices()[0].platform, window_bytes=window,
+                               replicas=int(strategy.mesh.shape.get("replica", 1)))
     model = next(e for e in rows if e.strategy == row)
     measured = int(stats.argument_size_in_bytes + stats.temp_size_in_bytes)
     return dataclasses.replace(

@@ -41,36 +41,37 @@ import jax
 import jax.numpy as jnp
 
 from accumix.jax.trainable import accum_dtype
+from accumix.jax.wire import FLOAT32, Wire
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def gather_at_use(shard: jax.Array, tap: jax.Array, weight: jax.Array, axis: str,
-                  dim: int | None, scatter: bool) -> jax.Array:
+                  dim: int | None, scatter: bool, wire: Wire = FLOAT32) -> jax.Array:
     """The full leaf from this device's ``shard`` (identity for a replicated leaf).
 
     Differentiate with respect to ``tap`` (the accumulator's shape and dtype): its cotangent is
-    the leaf's gradient, reduce-scattered when ``scatter``.
+    the leaf's gradient, reduce-scattered when ``scatter`` (in ``wire``'s dtype).
     """
-    del tap, weight
+    del tap, weight, wire
     if dim is None:
         return shard
     return gather_leading(shard, axis, dim)
 
 
 def _gather_fwd(shard: jax.Array, tap: jax.Array, weight: jax.Array, axis: str,
-                dim: int | None, scatter: bool) -> tuple[jax.Array, jax.Array]:
+                dim: int | None, scatter: bool, wire: Wire) -> tuple[jax.Array, jax.Array]:
     if dim is None:
         return shard, weight
     return gather_leading(shard, axis, dim), weight
 
 
-def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
+def _gather_bwd(axis: str, dim: int | None, scatter: bool, wire: Wire, weight: jax.Array,
                 g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     shape = list(g.shape)
     if dim is not None:
         shape[dim] //= jax.lax.axis_size(axis)
     zero_shard = jnp.zeros(shape, g.dtype)  # the shard is not differentiated: the tap is
-    return zero_shard, route(g, weight, axis, dim, scatter), jnp.zeros_like(weight)
+    return zero_shard, route(g, weight, axis, dim, scatter, wire), jnp.zeros_like(weight)
 
 
 def gather_leading(shard: jax.Array, axis: str, dim: int) -> jax.Array:
@@ -85,13 +86,15 @@ def gather_leading(shard: jax.Array, axis: str, dim: int) -> jax.Array:
 
 
 def route(g: jax.Array, weight: jax.Array, axis: str, dim: int | None,
-          scatter: bool) -> jax.Array:
+          scatter: bool, wire: Wire = FLOAT32) -> jax.Array:
     """A gathered leaf's cotangent ``g`` as its accumulator tap takes it: in the tap's dtype
     (float32, complex for complex leaves), times ``weight``, reduce-scattered over ``axis``
-    when ``scatter``."""
+    when ``scatter``: in ``wire``'s dtype, its share divided by the devices first, back in the
+    tap's dtype after (``accumix.jax.wire``; the step multiplies once, after the window)."""
     g = g.astype(accum_dtype(g.dtype)) * weight
     if scatter and dim is not None:
-        g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+        g = wire.receive(jax.lax.psum_scatter(wire.send(g), axis, scatter_dimension=dim,
+                                              tiled=True), g)
     return g
 
 

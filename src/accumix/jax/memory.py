@@ -82,6 +82,11 @@ from accumix.jax.strategies import (
 log = logging.getLogger("accumix")
 
 JAX_STRATEGIES = ("single", "ddp", "zero1", "fsdp", "fsdp-sync")
+# With several nodes (``replicas``): hsdp is fsdp over one node's S devices, replicated across
+# the nodes; its default (a reduce-scatter every micro-step) is sized as fsdp-sync over S,
+# ``defer_reduce_scatter=True`` as fsdp over S. Its cross-node all-reduce runs in place.
+HSDP_ROWS = ("hsdp", "hsdp-defer")
+_AS_FSDP = {"hsdp": "fsdp-sync", "hsdp-defer": "fsdp"}
 _SHARDED_UPDATE = ("zero1", "fsdp", "fsdp-sync")
 _DTYPE_BYTES = {"fp32": (4, 4), "bf16-mixed": (4, 2), "fp16-mixed": (4, 2), "bf16-true": (2, 2)}
 
@@ -116,9 +121,10 @@ class JaxMemoryEstimate:
 def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
                         precision: str = "fp32", platform: str = "cpu",
                         optimizer_states: int = 2, window_bytes: int = 0,
-                        activation_bytes: int | Mapping[str, int] = 0
+                        activation_bytes: int | Mapping[str, int] = 0, replicas: int = 1
                         ) -> list[JaxMemoryEstimate]:
-    """The per-device bytes of every JAX strategy (order of ``JAX_STRATEGIES``).
+    """The per-device bytes of every JAX strategy (order of ``JAX_STRATEGIES``, then
+    ``HSDP_ROWS`` when ``replicas`` > 1).
 
     Args:
         params: the params pytree (arrays or ``jax.ShapeDtypeStruct``), or a parameter count
@@ -133,9 +139,12 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         activation_bytes: activations per device (e.g. from a compiled step,
             ``accumix.jax.compiled_memory``) added to each row, or a mapping of a row's name
             to its own (rows it lacks: 0).
+        replicas: the nodes the devices are spread over (hsdp's replicas); > 1 adds the hsdp
+            rows, fsdp's over ``num_devices / replicas`` devices.
 
     Raises:
-        ConfigError: an unknown precision, or ``num_devices < 1``.
+        ConfigError: an unknown precision, ``num_devices < 1``, or ``replicas`` that do not
+            leave shard groups of 2 devices or more.
     """
     if precision not in _DTYPE_BYTES:
         raise ConfigError(f"unknown precision {precision!r}; use one of {', '.join(_DTYPE_BYTES)}")
@@ -157,9 +166,16 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
     # A bare count has no leaves to size the one in flight by: left out.
     bare = isinstance(params, (int, np.integer))
     largest = 0 if bare or not leaves else max(_size(s) for s in leaves)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or (
+            replicas > 1 and (num_devices % replicas or num_devices // replicas < 2)):
+        raise ConfigError(f"replicas={replicas!r} is invalid with {num_devices} devices; use a "
+                          "number of nodes that leaves 2 or more devices in each")
     out = []
-    for name in JAX_STRATEGIES:
-        d = 1 if name == "single" else num_devices
+    for row in JAX_STRATEGIES + (HSDP_ROWS if replicas > 1 else ()):
+        # hsdp's rows are fsdp's formulas over one node's devices.
+        name = _AS_FSDP.get(row, row)
+        d = 1 if name == "single" else num_devices // replicas if row in HSDP_ROWS else (
+            num_devices)
         full = sum(_size(s) for s in leaves)
         shard = sum(_shard(s, d) for s in leaves)
         # fsdp gathers at each use (accumix.jax.per_use): one leaf's gathered copy at a time.
@@ -217,9 +233,10 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         working = (c * (shard if fsdp else full) if mixed else 0) + (
             gathered + saved if fsdp else 0)
         working += carried_gathered
-        other = window_bytes // d + (activation_bytes.get(name, 0) if isinstance(
-            activation_bytes, Mapping) else activation_bytes)
-        out.append(JaxMemoryEstimate(strategy=name, params_bytes=params_bytes,
+        other = window_bytes // (num_devices if row in HSDP_ROWS else d) + (
+            activation_bytes.get(row, 0) if isinstance(activation_bytes, Mapping)
+            else activation_bytes)
+        out.append(JaxMemoryEstimate(strategy=row, params_bytes=params_bytes,
                                      optimizer_bytes=optimizer_bytes, grads_bytes=grads,
                                      working_bytes=working, other_bytes=other))
     return out
@@ -233,7 +250,9 @@ def choose_auto(params: Any, optimizer: Any, *, precision: str, headroom: float 
     ddp, zero1, fsdp, fsdp with ``sync_each_microstep`` in that order, against ``headroom`` of
     the smallest free device memory over all processes (``agreed_free_bytes``: every process
     gets the same number, so all choose alike); ``single`` on one device; fsdp with
-    ``sync_each_microstep`` (the least memory) when nothing fits, said in the log.
+    ``sync_each_microstep`` (the least memory) when nothing fits, said in the log. On several
+    processes with several devices each (nodes: the link between them is the slow one), hsdp
+    comes right after ddp (``first_fitting``), as on the torch side.
 
     Args:
         sized: a row's estimate with its window and activations (``accumix.jax.compiled_memory.
@@ -246,25 +265,32 @@ def choose_auto(params: Any, optimizer: Any, *, precision: str, headroom: float 
         return SingleStrategy()
     free = agreed_free_bytes() if free_bytes is None else free_bytes
     how = "each row from its compiled window step"
+    nodes = jax.process_count()
+    if nodes == 1 or len(devices) % nodes or len(devices) // nodes < 2:
+        nodes = 1  # hsdp needs several processes (nodes) of several devices
     if sized is None:
         rows = {e.strategy: e for e in estimate_jax_memory(
             params, optimizer, num_devices=len(devices), precision=precision,
-            platform=devices[0].platform)}
+            platform=devices[0].platform, replicas=nodes)}
         sized = rows.__getitem__
         how = ("params and optimizer state only, no activations: pass acc.setup(..., "
                "loss_fn=, batch=) to count them")
-    name, reason = first_fitting(sized, device_bytes=free, headroom=headroom)
+    name, reason = first_fitting(sized, device_bytes=free, headroom=headroom, nodes=nodes)
     log.info("strategy='auto' chose %s (%s)", reason, how)
     return strategy_of_row(name)
 
 
 def first_fitting(sized: Callable[[str], JaxMemoryEstimate], *, device_bytes: int,
-                  headroom: float = 0.8) -> tuple[str, str]:
+                  headroom: float = 0.8, nodes: int = 1) -> tuple[str, str]:
     """The first of ddp, zero1, fsdp, fsdp-sync whose ``sized(row)`` fits ``headroom *
     device_bytes`` (fsdp-sync when none does; rows after the first that fits are never
-    sized), and a one-line reason."""
+    sized), and a one-line reason. On ``nodes`` > 1: ddp, hsdp-defer, hsdp, zero1, fsdp,
+    fsdp-sync (sharded within a node, a model crosses the nodes once per step with a shard of
+    its gradients; zero1 and fsdp gather across them)."""
     budget = headroom * device_bytes
-    order = ("ddp", "zero1", "fsdp", "fsdp-sync")
+    order: tuple[str, ...] = ("ddp", "zero1", "fsdp", "fsdp-sync")
+    if nodes > 1:
+        order = ("ddp", *HSDP_ROWS[::-1], "zero1", "fsdp", "fsdp-sync")
     seen: dict[str, JaxMemoryEstimate] = {}
     for row in order:
         seen[row] = sized(row)
@@ -275,6 +301,9 @@ def first_fitting(sized: Callable[[str], JaxMemoryEstimate], *, device_bytes: in
     reason = (f"{name}: {seen[name].total_bytes / 2**30:.2f} GiB per device {verdict} "
               f"{headroom:.0%} of {device_bytes / 2**30:.2f} GiB; ddp needs "
               f"{seen['ddp'].total_bytes / 2**30:.2f} GiB")
+    if name in HSDP_ROWS:
+        reason += (f"; sharded within a node's devices, replicated across the {nodes} nodes: "
+                   "they exchange gradient shards once per step")
     return name, reason
 
 
@@ -283,16 +312,22 @@ def strategy_of_row(row: str, devices: list[Any] | None = None) -> JaxStrategy:
     device of every process; ``single``: the first)."""
     if row == "fsdp-sync":
         return FSDPStrategy(devices, sync_each_microstep=True)
+    if row in HSDP_ROWS:  # replicas: the processes (auto offers hsdp only on several)
+        from accumix.jax.hsdp import HSDPStrategy
+
+        return HSDPStrategy(devices, defer_reduce_scatter=row == "hsdp-defer")
     return {"single": SingleStrategy, "ddp": DDPStrategy, "zero1": ZeRO1Strategy,
             "fsdp": FSDPStrategy}[row](devices)
 
 
 def pick_strategy(estimates: list[JaxMemoryEstimate], *, device_bytes: int,
-                  headroom: float = 0.8) -> tuple[str, str]:
+                  headroom: float = 0.8, nodes: int = 1) -> tuple[str, str]:
     """The first of ddp, zero1, fsdp, fsdp-sync whose total fits ``headroom * device_bytes``
-    (fsdp-sync when none does), and a one-line reason."""
+    (fsdp-sync when none does; on ``nodes`` > 1 with the hsdp rows, ``first_fitting``'s
+    order), and a one-line reason."""
     by_name = {e.strategy: e for e in estimates}
-    return first_fitting(by_name.__getitem__, device_bytes=device_bytes, headroom=headroom)
+    return first_fitting(by_name.__getitem__, device_bytes=device_bytes, headroom=headroom,
+                         nodes=nodes)
 
 
 def format_jax_table(estimates: list[JaxMemoryEstimate], *, device_bytes: int | None = None,
@@ -373,3 +408,10 @@ def _size(shape: tuple[int, ...]) -> int:
 def _shard(shape: tuple[int, ...], num_devices: int) -> int:
     return _size(shape) // num_devices if shard_dim(shape, num_devices) is not None else (
         _size(shape))
+
+
+def row_of(strategy: JaxStrategy) -> str:
+    """The memory model's row of a strategy object (``"fsdp-sync"``, ``"hsdp-defer"``, ...)."""
+    if strategy.name == "hsdp":
+        return "hsdp-defer" if getattr(strategy, "defer_reduce_scatter", False) else "hsdp"
+    return "fsdp-sync" if getattr(strategy, "sync_each_microstep", False) else strategy.name

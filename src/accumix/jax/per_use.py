@@ -48,6 +48,7 @@ from jax.extend.core import Literal
 from accumix.jax.gather import gather_at_use, gather_leading, route
 from accumix.jax.ordering import after
 from accumix.jax.scan_accumulate import scan_into_accumulators
+from accumix.jax.wire import FLOAT32, Wire
 
 # Unary ops carried along with the parameter to its use (gathered first, then applied).
 CHAIN = frozenset({"convert_element_type", "transpose", "reshape", "broadcast_in_dim",
@@ -76,7 +77,7 @@ class _Param:
 
 def call_at_use(fn: Callable[..., Any], params: Any, leaves: dict[int, Leaf], *,
                 weight: jax.Array, axis: str, scatter: bool,
-                accumulated: set[int] | None = None) -> Any:
+                accumulated: set[int] | None = None, wire: Wire = FLOAT32) -> Any:
     """``fn(params)`` with each sharded leaf gathered at each of its uses.
 
     ``params``: the pytree ``fn`` takes, with ``jax.ShapeDtypeStruct`` (the full leaf's shape)
@@ -90,7 +91,7 @@ def call_at_use(fn: Callable[..., Any], params: Any, leaves: dict[int, Leaf], *,
              for i, x in enumerate(flat)]
     closed, out_shape = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(tree, xs)),
                                        return_shape=True)(*avals)
-    run = _Run(leaves, weight, axis, scatter, accumulated)
+    run = _Run(leaves, weight, axis, scatter, accumulated, wire)
     args = [_Param(i) if i in leaves else x for i, x in enumerate(flat)]
     outs = run.eval(closed.jaxpr, closed.consts, args)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -115,8 +116,10 @@ class _Run:
     """One evaluation of the traced ``loss_fn``."""
 
     def __init__(self, leaves: dict[int, Leaf], weight: jax.Array, axis: str,
-                 scatter: bool, accumulated: set[int] | None = None) -> None:
+                 scatter: bool, accumulated: set[int] | None = None,
+                 wire: Wire = FLOAT32) -> None:
         self.leaves, self.weight, self.axis, self.scatter = leaves, weight, axis, scatter
+        self.wire = wire  # what a reduce-scatter in the backward travels in
         # Where the leaves whose tap cotangent is their accumulator are recorded (the top
         # level's; None inside a scan body, where nothing is accumulated twice).
         self.accumulated = accumulated
@@ -183,7 +186,7 @@ class _Run:
             it, args = iter(plain_row), []
             for i in range(len(xs)):
                 args.append(_Param(slots.index(i)) if i in slots else next(it))
-            inner = _Run(leaves, self.weight, self.axis, self.scatter)
+            inner = _Run(leaves, self.weight, self.axis, self.scatter, wire=self.wire)
             outs = inner.eval(body.jaxpr, list(body.consts), [*consts, *c, *args])
             return outs[:ncarry], outs[ncarry:]
 
@@ -208,7 +211,7 @@ class _Run:
         """The whole gathered leaf (a use this module does not see into)."""
         leaf = self.leaves[ref.index]
         full = gather_at_use(leaf.shard, leaf.tap, self.weight, self.axis, leaf.dim,
-                             self.scatter)
+                             self.scatter, self.wire)
         return _apply_chain(ref.chain, full)
 
     def use(self, eqn: Any, ins: list[Any]) -> list[Any]:
@@ -267,7 +270,7 @@ class _Run:
         if pre:  # back through the casts done before the gather (exact, as autodiff would)
             full = jax.ShapeDtypeStruct(d.shape, shard.dtype)
             d = jax.linear_transpose(lambda x: _apply_chain(pre, x), full)(d)[0]
-        return route(d, weight, self.axis, leaf.dim, self.scatter)
+        return route(d, weight, self.axis, leaf.dim, self.scatter, self.wire)
 
 
 def _narrowing_casts(chain: tuple[Any, ...], dtype: Any) -> int:

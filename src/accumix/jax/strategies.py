@@ -1,14 +1,17 @@
 """Strategies on a device mesh: where params, optimizer state and gradients live.
 
-One mesh axis, ``"data"``, over every device of every process. Each strategy is a placement rule
-plus the one gradient reduction it makes per window, inside the step's ``shard_map`` (JAX's own
-collectives; accumix writes none):
+One mesh axis, ``"data"``, over every device of every process (hsdp: two). Each strategy is a
+placement rule plus the one gradient reduction it makes per window, inside the step's
+``shard_map`` (JAX's own collectives; accumix writes none), in the policy's ``reduce_dtype``
+(``accumix.jax.wire``):
 
     strategy   params        optimizer state   gradient reduction (once, after the scan)
     single     one device    one device        none (a 1-device mesh)
     ddp        replicated    replicated        psum
     zero1      replicated    sharded           psum; the sharded update is GSPMD's
     fsdp       sharded       sharded           psum_scatter to the param's shard
+    hsdp       sharded on    sharded on        psum_scatter over "fsdp", psum over "replica"
+               "fsdp"        "fsdp"            (``accumix.jax.hsdp``: a 2-axis mesh)
 
 Sharded means split on the largest dimension that the device count divides; a leaf with no such
 dimension (a bias of 1, a scalar) stays replicated and is psum'd.
@@ -29,9 +32,10 @@ from accumix.jax.gather import gather_at_use, gather_leading, into_accumulators
 from accumix.jax.ordering import after
 from accumix.jax.per_use import Leaf, call_at_use
 from accumix.jax.trainable import accum_dtype
+from accumix.jax.wire import FLOAT32, Wire
 
 AXIS = "data"
-STRATEGY_WORDS = ("single", "ddp", "zero1", "fsdp", "auto")
+STRATEGY_WORDS = ("single", "ddp", "zero1", "fsdp", "hsdp", "auto")
 
 
 def shard_dim(shape: tuple[int, ...], num_devices: int) -> int | None:
@@ -142,18 +146,36 @@ class JaxStrategy:
         return jax.tree.map(gather, local, specs)
 
     def reduce_grads(self, grads: Any, specs: Any) -> Any:
-        """The one reduction of the window's summed gradients: to the params' placement."""
+        """The one reduction of the window's summed gradients: to the params' placement, in
+        the wire's dtype (``accumix.jax.wire``: cast just before, back just after)."""
         rest = tuple(a for a in self.data_axes if a != self.shard_axis)
+        wire = self.wire
         flat, tree = jax.tree.flatten(grads)
         out, previous = [], None
         for g, spec in zip(flat, tree.flatten_up_to(specs), strict=True):
             dim = _axis_dim(spec, self.shard_axis)
             if dim is None:
-                out.append(jax.lax.psum(g, self.data_axes))
+                out.append(wire.finish(wire.receive(jax.lax.psum(wire.send(g), self.data_axes),
+                                                    g)))
                 continue
-            g, previous = scatter_in_turn(g, self.shard_axis, dim, previous)
-            out.append(jax.lax.psum(g, rest) if rest else g)
+            sent, previous = scatter_in_turn(wire.send(g), self.shard_axis, dim, previous)
+            reduced = jax.lax.psum(sent, rest) if rest else sent
+            out.append(wire.finish(wire.receive(reduced, g)))
         return tree.unflatten(out)
+
+    # -- what the run uses -----------------------------------------------------------------
+    wire = FLOAT32  # float32: set from the policy's reduce_dtype by the Accelerator (``connect``)
+
+    def connect(self, reduce_dtype: str) -> None:
+        """Takes the policy's ``reduce_dtype`` (a ``precision.reduce_dtype`` name): what the
+        gradients travel in from now on, over all the mesh's devices (one device: nothing
+        travels, nothing is cast)."""
+        devices = self.num_devices
+        self.wire = Wire(reduce_dtype, devices) if devices > 1 else FLOAT32
+
+    def reductions(self) -> str:
+        """How often gradients cross devices (``EffectiveDtypes.reductions``)."""
+        return "once per optimizer step"
 
 
 def scatter_in_turn(g: jax.Array, axis: str, dim: int, previous: jax.Array | None
@@ -264,7 +286,8 @@ class FSDPStrategy(JaxStrategy):
     def params_at_use(self, local: Any, target: Any, specs: Any, weight: jax.Array) -> Any:
         def use(x: jax.Array, tap: jax.Array, spec: P) -> jax.Array:
             return gather_at_use(x, tap, weight, self.shard_axis,
-                                 _axis_dim(spec, self.shard_axis), self.sync_each_microstep)
+                                 _axis_dim(spec, self.shard_axis), self.sync_each_microstep,
+                                 self.wire)
         return jax.tree.map(use, local, target, specs)
 
     def call_at_use(self, fn: Any, local: Any, target: Any, specs: Any,
@@ -279,7 +302,7 @@ class FSDPStrategy(JaxStrategy):
         for i, (x, tap, dim) in enumerate(zip(flat, taps, dims, strict=True)):
             if dim is None:  # replicated: the identity, its gradient routed to the tap
                 values.append(gather_at_use(x, tap, weight, self.shard_axis, None,
-                                            self.sync_each_microstep))
+                                            self.sync_each_microstep, self.wire))
                 continue
             shape = list(x.shape)
             shape[dim] *= self.mesh.shape[self.shard_axis]
@@ -288,7 +311,7 @@ class FSDPStrategy(JaxStrategy):
         accumulated: set[int] = set()
         objective, aux = call_at_use(fn, tree.unflatten(values), leaves, weight=weight,
                                      axis=self.shard_axis, scatter=self.sync_each_microstep,
-                                     accumulated=accumulated)
+                                     accumulated=accumulated, wire=self.wire)
         # The other leaves' accumulators join their gradient at the end of the backward.
         rest = [tap for i, tap in enumerate(taps) if i not in accumulated]
         return into_accumulators(objective, rest), aux
@@ -297,14 +320,23 @@ class FSDPStrategy(JaxStrategy):
         if not self.sync_each_microstep:
             return super().reduce_grads(grads, specs)
         # Sharded leaves were reduce-scattered over the shard axis in each micro-step's
-        # backward; what remains is the sum over the other data axes (none here).
+        # backward (their shares divided by the wire there); what remains is the sum over
+        # the other data axes (hsdp's replicas; none for fsdp), once, in the wire's dtype.
         rest = tuple(a for a in self.data_axes if a != self.shard_axis)
+        wire = self.wire
 
         def reduce(g: jax.Array, spec: P) -> jax.Array:
             if _axis_dim(spec, self.shard_axis) is None:
-                return jax.lax.psum(g, self.data_axes)
-            return jax.lax.psum(g, rest) if rest else g
+                return wire.finish(wire.receive(jax.lax.psum(wire.send(g), self.data_axes), g))
+            if rest:
+                g = wire.receive(jax.lax.psum(wire.recast(g), rest), g)
+            return wire.finish(g)
         return jax.tree.map(reduce, grads, specs)
+
+    def reductions(self) -> str:
+        if self.sync_each_microstep:
+            return "every micro-step: sync_each_microstep (the shards sum in float32)"
+        return super().reductions()
 
 
 _CLASSES: dict[str, type[JaxStrategy]] = {
@@ -328,6 +360,10 @@ def resolve_jax_strategy(word: str | JaxStrategy) -> JaxStrategy | None:
         )
     if word == "auto":
         return None
+    if word == "hsdp":  # its own module (it builds on FSDPStrategy here)
+        from accumix.jax.hsdp import HSDPStrategy
+
+        return HSDPStrategy()
     if word not in _CLASSES:
         raise ConfigError(
             f"unknown strategy {word!r} for accumix.jax; use one of {', '.join(STRATEGY_WORDS)}"
