@@ -44,7 +44,8 @@ from hooks inside its backward, out of reach of a checkpoint: ``Strategy.probe_m
 
 **Probing changes nothing.** Parameters and buffers (this rank's shards), and the parameters the
 optimizers step outside the set-up models (a learnable loss temperature), are copied to the
-host once before the search and copied back after it; every RNG stream (python, numpy, torch,
+host once before the search and copied back after it (a buffer the forward replaced by a new
+tensor is put back in its module); every RNG stream (python, numpy, torch,
 CUDA) is captured and restored; gradients the probe made are dropped
 (``Strategy.clear_gradients``, and on those outside parameters);
 the loss scale is read, never updated; the accumulation window and the loaders are not touched
@@ -369,11 +370,16 @@ def _parameters_preserved(run: RunState) -> Iterator[list[torch.Tensor]]:
     """Restores every parameter and buffer (this rank's shards) and every parameter the
     optimizers step outside the models after the search, and the gradients that existed
     before it (a window in progress): the probe's backward adds into them and its cleanup
-    drops them, so each comes back as the same tensor with its values. Yields what a meter
-    must not count: these host copies, and those gradients (the probe makes its own)."""
+    drops them, so each comes back as the same tensor with its values. A buffer the forward
+    *replaced* (``self.mean = 0.9 * self.mean + ...``, a running normaliser) is put back in its
+    module too: restoring the old tensor's values alone would leave the probe's in the model
+    (parameters are left to the strategy: FSDP2 swaps them in its own forward). Yields what
+    a meter must not count: these host copies, and those gradients (the probe makes its own)."""
     outside = outside_parameters(run)
     tensors = [t for model in run.models
                for t in (*model.parameters(), *model.buffers())] + outside
+    slots = [(module, name, tensor) for model in run.models for module in model.modules()
+             for name, tensor in module._buffers.items() if tensor is not None]
     saved = [_local(t.detach()).to("cpu", copy=True) for t in tensors]
     params = list(dict.fromkeys(
         [p for model in run.models for p in model.parameters()] + outside))
@@ -383,6 +389,9 @@ def _parameters_preserved(run: RunState) -> Iterator[list[torch.Tensor]]:
         yield saved + [copy for _, _, copy in grads] + [grad for _, grad, _ in grads]
     finally:
         with torch.no_grad():
+            for module, name, tensor in slots:
+                if module._buffers.get(name) is not tensor:
+                    module._buffers[name] = tensor
             for tensor, copy in zip(tensors, saved, strict=True):
                 _local(tensor.detach()).copy_(copy)
             for param, grad, copy in grads:
