@@ -342,6 +342,11 @@ class _ShadowOptimizers:
             optimizer = run.strategy.state_optimizer(wrapped.optimizer)
             if optimizer.state:
                 continue
+            if _needs_closure(optimizer):  # LBFGS: its step re-runs the user's loss
+                log.warning("micro_batch_size='auto' cannot step %s without a closure to "
+                            "measure its states; they are left out of the probe",
+                            type(optimizer).__name__)
+                continue
             groups = [{**g, "lr": 0.0} for g in optimizer.param_groups]
             # Each group carries every hyper-parameter; the constructor gets the defaults it
             # names.
@@ -363,6 +368,15 @@ class _ShadowOptimizers:
             shadow.step()
             for p in made:
                 p.grad = None
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` must be given a closure (``torch.optim.LBFGS``)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step with no signature to read
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 @contextmanager
