@@ -334,7 +334,10 @@ def _clear_gradients(run: RunState) -> None:
 class _ShadowOptimizers:
     """A copy of each stateless optimizer with ``lr=0`` over the same parameters, stepped once
     at creation: its states are allocated as the real first step's would be and stay alive
-    until ``shadows`` is cleared; ``step()`` again is the window end's temporaries."""
+    until ``shadows`` is cleared; ``step()`` again is the window end's temporaries. A copy that
+    cannot be built, or whose step refuses zero gradients without the user's closure
+    (``LBFGS``) or dense ones (``SparseAdam``), is left out with a warning: the probe then
+    misses its states, where raising would stop a run the explicit size trains."""
 
     def __init__(self, run: RunState) -> None:
         self.shadows: list[torch.optim.Optimizer] = []
@@ -342,41 +345,40 @@ class _ShadowOptimizers:
             optimizer = run.strategy.state_optimizer(wrapped.optimizer)
             if optimizer.state:
                 continue
-            if _needs_closure(optimizer):  # LBFGS: its step re-runs the user's loss
-                log.warning("micro_batch_size='auto' cannot step %s without a closure to "
-                            "measure its states; they are left out of the probe",
-                            type(optimizer).__name__)
-                continue
             groups = [{**g, "lr": 0.0} for g in optimizer.param_groups]
             # Each group carries every hyper-parameter; the constructor gets the defaults it
             # names.
             accepted = inspect.signature(type(optimizer)).parameters
             defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
             try:
-                self.shadows.append(type(optimizer)(groups, **defaults))
-            except (TypeError, ValueError):  # a constructor that cannot be called like this
-                log.warning("micro_batch_size='auto' cannot copy %s to measure its states; "
-                            "they are left out of the probe", type(optimizer).__name__)
-        self.step()
+                shadow = type(optimizer)(groups, **defaults)
+                _shadow_step(shadow)
+            except torch.OutOfMemoryError:
+                raise
+            except (TypeError, ValueError, RuntimeError) as exc:
+                log.warning("micro_batch_size='auto' cannot step a copy of %s to measure its "
+                            "states (%s); they are left out of the probe",
+                            type(optimizer).__name__, str(exc).splitlines()[0][:120])
+                continue
+            self.shadows.append(shadow)
 
     def step(self) -> None:
         for shadow in self.shadows:
-            params = [p for g in shadow.param_groups for p in g["params"] if p.requires_grad]
-            made = [p for p in params if p.grad is None]
-            for p in made:  # at the boundary these hold the (reduced) window's gradients
-                p.grad = torch.zeros_like(p)
-            shadow.step()
-            for p in made:
-                p.grad = None
+            _shadow_step(shadow)
 
 
-def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` must be given a closure (``torch.optim.LBFGS``)."""
+def _shadow_step(shadow: torch.optim.Optimizer) -> None:
+    """``shadow.step()``, a zero gradient made for each parameter without one (at the boundary
+    the others hold the window's gradients) and dropped after."""
+    made = [p for g in shadow.param_groups for p in g["params"]
+            if p.requires_grad and p.grad is None]
+    for p in made:
+        p.grad = torch.zeros_like(p)
     try:
-        closure = inspect.signature(optimizer.step).parameters.get("closure")
-    except (TypeError, ValueError):  # a step with no signature to read
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
+        shadow.step()
+    finally:
+        for p in made:
+            p.grad = None
 
 
 @contextmanager
