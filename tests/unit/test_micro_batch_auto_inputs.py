@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 import accumix as ax
 from accumix.memory.micro_batch_cache import CACHE_FILE
 from accumix.memory.micro_batch_probe import batch_maker
-from tests.hf_standins import TinyCausalLM, padded_batch
+from tests.hf_standins import BatchEncoding, TinyCausalLM, padded_batch
 
 GLOBAL = 24
 
@@ -75,6 +75,36 @@ def test_trainer_scan_keeps_the_datasets_own_generator() -> None:
         assert trainer.train_loader.batch_size == GLOBAL
         weights.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
+def _encoded(samples: list[torch.Tensor]) -> BatchEncoding:
+    ids = torch.stack(samples)
+    return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                          "labels": ids})
+
+
+def test_trainer_default_step_takes_a_tokenizers_batch_encoding() -> None:
+    """A collate returning a ``BatchEncoding`` (a ``UserDict``, as Hugging Face's collators do)
+    and no ``step_fn``: the default step calls ``model(**batch)``, with auto as explicitly, and
+    both train the same weights (before: ``model(batch)``, a raw ``TypeError: embedding()
+    ... not BatchEncoding`` in the probe and in the explicit run)."""
+    from accumix.trainer import Trainer
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(1, 32, (8,), generator=g) for _ in range(16)]
+    weights = []
+    for micro in ("auto", 8):
+        acc = ax.Accelerator(global_batch_size=8, micro_batch_size=micro, seed=0,
+                             memory_limit=2**30)
+        net = TinyCausalLM(layers=1)
+        trainer = Trainer(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=0.01),
+                          train_loader=DataLoader(data, batch_size=4 if micro == "auto" else 8,
+                                                  collate_fn=_encoded),
+                          accelerator=acc, max_steps=2, progress_bar=False, loggers=[])
+        trainer.fit()
+        weights.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+    assert not torch.equal(weights[0][-1], TinyCausalLM(layers=1).head.bias)  # it trained
 
 
 def _temperature_run(micro: int | str) -> list[torch.Tensor]:
