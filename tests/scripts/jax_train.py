@@ -1,7 +1,9 @@
 """A JAX job for ``accumix launch --nproc 2`` (or one plain process): train, save, resume.
 
     python jax_train.py OUT_DIR train    # ddp and fsdp vs the large batch; fsdp saves at step 2;
-                                         # then a torch DataLoader per process, saved mid-epoch
+                                         # every strategy object (built before JAX starts) on
+                                         # windows of 4 and 3 micro-batches; then a torch
+                                         # DataLoader per process, saved mid-epoch
     python jax_train.py OUT_DIR resume   # loads both saves, continues; writes the params
     python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError
 
@@ -155,6 +157,52 @@ def uneven_and_single(result: dict[str, object]) -> None:
         result["single"] = str(exc)
 
 
+def strategy_objects() -> dict[str, axj.JaxStrategy]:
+    """Every JAX strategy class, built before JAX starts (the README's way to ask for
+    ``sync_each_microstep``): the mesh must wait for ``jax.distributed`` (was a RuntimeError
+    in every process)."""
+    return {"single": axj.SingleStrategy(), "ddp": axj.DDPStrategy(),
+            "zero1": axj.ZeRO1Strategy(), "fsdp": axj.FSDPStrategy(),
+            "fsdp-sync": axj.FSDPStrategy(sync_each_microstep=True),
+            "hsdp": axj.HSDPStrategy()}  # replicas: the 2 processes, as 2 nodes of 2 devices
+
+
+def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStrategy]) -> None:
+    """Item mode, K=4: process 0 passes 4 micro-batches, process 1 passes 3, then both 4; each
+    strategy object made before JAX started. fsdp hung here (a process that skipped its padded
+    micro-step missed the gathers and reduce-scatters its peer issued). SGD against the large
+    batch of every real micro-batch; the same params on both processes."""
+    import optax
+
+    k, lr = 4, 0.5
+    batches = w.micro_batches(15, rows=ROWS, seed=17)  # one process's rows each
+    p = jax.process_index()
+    windows = [batches[:4] if p == 0 else batches[4:7], batches[7:11] if p == 0 else batches[11:]]
+    ref = w.init_params()
+    for big in (w.concat(batches[:7]), w.concat(batches[7:])):
+        grads = jax.grad(lambda q, b=big: w.large_batch_loss(q, b, True))(ref)
+        ref = jax.tree.map(lambda q, g: q - lr * g, ref, grads)
+    diffs, same = {}, {}
+    for name in ("ddp", "zero1", "fsdp", "fsdp-sync", "hsdp"):
+        acc = axj.Accelerator(strategy=early[name], precision="fp32", grad_accum_steps=k)
+        state = acc.setup(w.init_params(), optax.sgd(lr))
+        step = acc.train_step(w.item_loss)
+        for window in windows:
+            state, _ = step(state, window)
+        gathered = jax.tree.map(
+            lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
+            state.params)
+        diffs[name] = w.max_diff(gathered, ref)
+        same[name] = {key: v.tolist() for key, v in flat(gathered).items()}
+    result["uneven_strategies"] = diffs
+    result["uneven_strategy_params"] = same
+    try:
+        axj.Accelerator(strategy=early["single"], precision="fp32", grad_accum_steps=k)
+        result["single_object"] = None
+    except axj.ConfigError as exc:
+        result["single_object"] = str(exc)
+
+
 def auto_choice(out: Path) -> None:
     """micro_batch_size='auto' with a smaller memory_limit on process 1: both take its choice
     (4 of 2/4/8/16 rows per process), though process 0's limit fits every candidate."""
@@ -181,6 +229,7 @@ def auto_choice(out: Path) -> None:
 
 
 def main(out: Path, mode: str, saved_processes: int) -> None:
+    early = strategy_objects() if mode == "train" else {}  # before anything starts JAX
     if mode == "mismatch":
         try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
             axj.Accelerator(strategy="ddp", precision="fp32",
@@ -231,6 +280,7 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
         result["max_diff"] = max(float(np.max(np.abs(done[k] - now[k]))) for k in now)
     if mode == "train" and acc.world_size > 1:
         uneven_and_single(result)
+        uneven_every_strategy(result, early)
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
     if mode in ("train", "resume") and acc.world_size > 1:
         train_with_loader(out, "loader" if mode == "train" else "loader-resume")

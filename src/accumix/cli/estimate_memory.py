@@ -101,11 +101,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
     reduce_dtype = reduce_dtype_of(args.reduce_dtype or config.reduce_dtype, precision)
     if (args.backend or config.backend) == "jax":
-        if args.nodes > 1:
-            raise ConfigError("--nodes is not sized for --backend jax yet; leave it out (the "
-                              "JAX table is per device of one mesh)")
+        if args.nodes > 1 and world // args.nodes < 2:
+            raise ConfigError(f"--nodes={args.nodes} leaves one device per node of "
+                              f"--world-size={world}: hsdp needs 2 or more; use fewer nodes")
         _host_devices(world)
-        return _run_jax(args, config, world, precision)
+        # JAX reduces in float32 under every precision unless told (accumix.jax.wire).
+        wire = reduce_dtype_of(args.reduce_dtype or config.reduce_dtype or "fp32", precision)
+        return _run_jax(args, config, world, precision, wire)
     micro = config.micro_batch_size
     if micro == "auto" and args.params is None:
         micro = _probe_recipe(config, world)  # the choice accumix train makes, without training
@@ -177,7 +179,8 @@ def reduction_line(trainable: int, reduce_dtype: str, world: int, grad_accum_ste
             f"sync_each_microstep and deepspeed stages 2-3 reduce every micro-step: {each})")
 
 
-def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str) -> int:
+def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str,
+             reduce_dtype: str = "float32") -> int:
     """The JAX backend's table (``accumix.jax.memory``): per device of a ``devices`` mesh, each
     device ``micro_batch_size`` rows (``accumix launch``: one device per process). The
     recipe's activations are measured: its window step compiled for one device (never run,
@@ -210,6 +213,10 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
             config = dataclasses.replace(config, micro_batch_size=micro)
         if isinstance(micro, int):
             activations, how = _jax_activations(config, params, optimizer, devices, precision)
+            # hsdp's rows: fsdp's step over a node's devices; its activations are taken from
+            # the fsdp rows of the whole mesh (measured alike: one device's rows each).
+            activations.update({"hsdp": activations["fsdp-sync"],
+                                "hsdp-defer": activations["fsdp"]})
             steps = max(1, config.global_batch_size // (devices * micro))
             # The window as the step holds it: K micro-batches of every device's rows.
             window_bytes = devices * steps * 2 * micro * shape.block_size * 4
@@ -222,11 +229,24 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
     estimates = estimate_jax_memory(params, optimizer, num_devices=devices, precision=precision,
                                     platform=jax.devices()[0].platform,
                                     optimizer_states=args.optimizer_states,
-                                    window_bytes=window_bytes, activation_bytes=activations)
-    _, reason = pick_strategy(estimates, device_bytes=device_bytes)
-    print(f"{label}, {precision}, JAX, {devices} devices, {device_bytes / 2**30:.1f} GiB per "
-          "device")
+                                    window_bytes=window_bytes, activation_bytes=activations,
+                                    replicas=args.nodes)
+    _, reason = pick_strategy(estimates, device_bytes=device_bytes, nodes=args.nodes)
+    where = f"{args.nodes} nodes x {devices // args.nodes} devices" if args.nodes > 1 else (
+        f"{devices} devices")
+    print(f"{label}, {precision}, JAX, {where}, {device_bytes / 2**30:.1f} GiB per device")
     print(format_jax_table(estimates, device_bytes=device_bytes))
+    trainable = params if isinstance(params, int) else gpt_jax.num_parameters(shape)
+    steps = None if args.params is not None or not isinstance(config.micro_batch_size, int) else (
+        max(1, config.global_batch_size // (devices * config.micro_batch_size)))
+    if devices > 1:  # the JAX strategies' reduction (accumix.jax.wire), one device's payload
+        from accumix.precision.reduce_dtype import reduction_bytes
+
+        once = reduction_bytes(trainable, reduce_dtype) / 2**20
+        each = f"{steps} x that" if steps else "K x that"
+        print(f"gradient reduction in {reduce_dtype}: {once:,.1f} MiB per device per optimizer "
+              f"step (every strategy once after the window; fsdp-sync's and hsdp's "
+              f"reduce-scatter every micro-step: {each})")
     print(f"auto: {reason}")
     return 0
 

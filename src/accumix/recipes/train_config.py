@@ -105,8 +105,8 @@ class TrainConfig:
             nodes), ``deepspeed``.
         precision: ``auto``, ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``.
         reduce_dtype: what gradients travel in between ranks: ``fp32``, ``bf16``, ``fp16``
-            (``fp16-mixed`` only); null: the precision's (float32; bf16 under ``bf16-true``).
-            Torch backend only for now.
+            (``fp16-mixed`` only); null: the precision's (float32; bf16 under ``bf16-true``;
+            float32 under every precision on the JAX backend).
         compile: ``torch.compile`` the model (inductor) after the strategy wrapped it
             (``Accelerator(compile=True)``); the JAX backend always jits and ignores it.
         global_batch_size: documents per optimizer step over all ranks (fixed whatever nproc).
@@ -189,9 +189,6 @@ class TrainConfig:
                 # One line here, not one traceback per rank after the launch.
                 check_fp16_reduction(wire, loss_scaled=self.precision == "fp16-mixed",
                                      precision=self.precision)
-            if self.backend == "jax":
-                raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is not available on "
-                                  "backend=jax yet; leave reduce_dtype=null there")
         for name in ("nproc", "global_batch_size", "micro_batch_size", "max_steps",
                      "max_epochs", "eval_every", "checkpoint_every", "system_metrics_every"):
             value = getattr(self, name)
