@@ -44,7 +44,8 @@ from hooks inside its backward, out of reach of a checkpoint: ``Strategy.probe_m
 
 **Probing changes nothing.** Parameters and buffers (this rank's shards), and the parameters the
 optimizers step outside the set-up models (a learnable loss temperature), are copied to the
-host once before the search and copied back after it; every RNG stream (python, numpy, torch,
+host once before the search and copied back after it (a buffer the forward replaced by a new
+tensor is put back in its module); every RNG stream (python, numpy, torch,
 CUDA) is captured and restored; gradients the probe made are dropped
 (``Strategy.clear_gradients``, and on those outside parameters);
 the loss scale is read, never updated; the accumulation window and the loaders are not touched
@@ -333,7 +334,10 @@ def _clear_gradients(run: RunState) -> None:
 class _ShadowOptimizers:
     """A copy of each stateless optimizer with ``lr=0`` over the same parameters, stepped once
     at creation: its states are allocated as the real first step's would be and stay alive
-    until ``shadows`` is cleared; ``step()`` again is the window end's temporaries."""
+    until ``shadows`` is cleared; ``step()`` again is the window end's temporaries. A copy that
+    cannot be built, or whose step refuses zero gradients without the user's closure
+    (``LBFGS``) or dense ones (``SparseAdam``), is left out with a warning: the probe then
+    misses its states, where raising would stop a run the explicit size trains."""
 
     def __init__(self, run: RunState) -> None:
         self.shadows: list[torch.optim.Optimizer] = []
@@ -347,21 +351,34 @@ class _ShadowOptimizers:
             accepted = inspect.signature(type(optimizer)).parameters
             defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
             try:
-                self.shadows.append(type(optimizer)(groups, **defaults))
-            except (TypeError, ValueError):  # a constructor that cannot be called like this
-                log.warning("micro_batch_size='auto' cannot copy %s to measure its states; "
-                            "they are left out of the probe", type(optimizer).__name__)
-        self.step()
+                shadow = type(optimizer)(groups, **defaults)
+                _shadow_step(shadow)
+            except torch.OutOfMemoryError:
+                raise
+            except (TypeError, ValueError, RuntimeError) as exc:
+                log.warning("micro_batch_size='auto' cannot step a copy of %s to measure its "
+                            "states (%s); they are left out of the probe",
+                            type(optimizer).__name__, str(exc).splitlines()[0][:120])
+                continue
+            self.shadows.append(shadow)
 
     def step(self) -> None:
         for shadow in self.shadows:
-            params = [p for g in shadow.param_groups for p in g["params"] if p.requires_grad]
-            made = [p for p in params if p.grad is None]
-            for p in made:  # at the boundary these hold the (reduced) window's gradients
-                p.grad = torch.zeros_like(p)
-            shadow.step()
-            for p in made:
-                p.grad = None
+            _shadow_step(shadow)
+
+
+def _shadow_step(shadow: torch.optim.Optimizer) -> None:
+    """``shadow.step()``, a zero gradient made for each parameter without one (at the boundary
+    the others hold the window's gradients) and dropped after."""
+    made = [p for g in shadow.param_groups for p in g["params"]
+            if p.requires_grad and p.grad is None]
+    for p in made:
+        p.grad = torch.zeros_like(p)
+    try:
+        shadow.step()
+    finally:
+        for p in made:
+            p.grad = None
 
 
 @contextmanager
@@ -369,11 +386,16 @@ def _parameters_preserved(run: RunState) -> Iterator[list[torch.Tensor]]:
     """Restores every parameter and buffer (this rank's shards) and every parameter the
     optimizers step outside the models after the search, and the gradients that existed
     before it (a window in progress): the probe's backward adds into them and its cleanup
-    drops them, so each comes back as the same tensor with its values. Yields what a meter
-    must not count: these host copies, and those gradients (the probe makes its own)."""
+    drops them, so each comes back as the same tensor with its values. A buffer the forward
+    *replaced* (``self.mean = 0.9 * self.mean + ...``, a running normaliser) is put back in its
+    module too: restoring the old tensor's values alone would leave the probe's in the model
+    (parameters are left to the strategy: FSDP2 swaps them in its own forward). Yields what
+    a meter must not count: these host copies, and those gradients (the probe makes its own)."""
     outside = outside_parameters(run)
     tensors = [t for model in run.models
                for t in (*model.parameters(), *model.buffers())] + outside
+    slots = [(module, name, tensor) for model in run.models for module in model.modules()
+             for name, tensor in module._buffers.items() if tensor is not None]
     saved = [_local(t.detach()).to("cpu", copy=True) for t in tensors]
     params = list(dict.fromkeys(
         [p for model in run.models for p in model.parameters()] + outside))
@@ -383,6 +405,9 @@ def _parameters_preserved(run: RunState) -> Iterator[list[torch.Tensor]]:
         yield saved + [copy for _, _, copy in grads] + [grad for _, grad, _ in grads]
     finally:
         with torch.no_grad():
+            for module, name, tensor in slots:
+                if module._buffers.get(name) is not tensor:
+                    module._buffers[name] = tensor
             for tensor, copy in zip(tensors, saved, strict=True):
                 _local(tensor.detach()).copy_(copy)
             for param, grad, copy in grads:

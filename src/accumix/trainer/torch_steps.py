@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,9 +50,9 @@ StepFn = Callable[[nn.Module, Any], Any]
 
 
 def default_step(model: nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, else
-    ``model(batch)``."""
-    if isinstance(batch, dict):
+    """``model(**batch)`` for a Mapping (a dict, a tokenizer's ``BatchEncoding``, which is a
+    ``UserDict``), ``model(*batch)`` for a tuple or list, else ``model(batch)``."""
+    if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)
