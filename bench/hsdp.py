@@ -32,7 +32,7 @@ carries its payload once per node, one over a replicate group (one rank per node
 rank of the node, shrunk by the larger shard; each node sends ``(N-1)/N`` of it (all-gather,
 reduce-scatter) or ``2(N-1)/N`` (all-reduce), the least any algorithm sends, at the node's
 bandwidth. fp32 as measured (under bf16-mixed, fsdp's gathers halve; the gradients stay fp32
-by default). JAX rows: ``--backend jax`` (the JAX half of issue 32 adds them).
+by default). JAX rows: ``--backend jax`` (``bench/jax_hsdp.py``).
 """
 
 from __future__ import annotations
@@ -190,11 +190,15 @@ def rank_main(rows: list[str], ks: list[int], width: int, blocks: int, steps: in
     return out
 
 
-def measure_jax(*_: Any) -> dict[str, Any]:
-    """The JAX rows (``accumix.jax``'s hsdp on 4 host devices as 2 nodes of 2): the JAX half
-    of issue 32 fills this in, with the same keys as ``measure``."""
-    raise SystemExit("bench/hsdp.py --backend jax: the JAX rows come with accumix.jax's hsdp "
-                     "(the JAX half of issue 32)")
+def measure_jax() -> None:
+    """The JAX rows: ``bench/jax_hsdp.py`` (accumix.jax's hsdp on 4 host devices as 2 nodes of
+    2, one process; XLA must see them before jax is imported), with this command's arguments."""
+    import os
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_hsdp.py")
+    argv = [a for a in sys.argv[1:] if a not in ("--backend", "jax")]
+    os.execv(sys.executable, [sys.executable, script, *argv])
 
 
 def project(by: dict[str, float], model_bytes: int, *, nodes: int, per_node: int, params: float,

@@ -2,6 +2,7 @@
 
     python bench/jax_fsdp.py                 # issue 21's job, then the torch side's table
     python bench/jax_fsdp.py --no-torch      # the JAX table only
+    python bench/jax_fsdp.py --no-torch --job gpt   # the flax GPT (issue 30); gpt-scan, scan
 
 The job: 8 layers of 512x512 (+ bias), tanh, Adam, K=16 micro-batches of 8 rows per device,
 fp32 (``--precision bf16-mixed`` for the other), one process with 4 host devices
@@ -32,7 +33,6 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -47,19 +47,17 @@ from accumix.jax.memory import estimate_jax_memory  # noqa: E402
 MIB = 2**20
 
 
-def run(word: str, precision: str, layers: int, steps: int) -> dict[str, float]:
-    acc = axj.Accelerator(strategy=job.strategy(word), precision=precision,
-                          grad_accum_steps=job.K)
-    state = acc.setup(job.params(layers), optax.adam(1e-3))
-    step = acc.train_step(job.make_loss(layers))
-    rng = np.random.default_rng(1)
-    rows = job.ROWS * acc.local_devices
-    window = acc.window([{"x": rng.normal(size=(rows, job.WIDTH)).astype(np.float32),
-                          "y": rng.normal(size=(rows, job.WIDTH)).astype(np.float32)}
-                         for _ in range(job.K)])
+def run(word: str, precision: str, layers: int, steps: int, kind: str = "") -> dict[str, float]:
+    p, loss_fn, micro, k = job.job_of(layers, kind)
+    acc = axj.Accelerator(strategy=job.strategy(word), precision=precision, grad_accum_steps=k)
+    state = acc.setup(p, optax.adam(1e-3))
+    step = acc.train_step(loss_fn)
+    rows = (job.GPT_ROWS if kind.startswith("gpt") else job.ROWS) * acc.local_devices
+    window = acc.window([micro(rows) for _ in range(k)])
     stats = step.lower(state, window).compile().memory_analysis()
+    unstacked = job.job_of(layers, kind.replace("scan", "").rstrip("-"))[0]
     model = {e.strategy: e for e in estimate_jax_memory(
-        job.params(layers), optax.adam(1e-3), num_devices=acc.num_devices, precision=precision,
+        unstacked, optax.adam(1e-3), num_devices=acc.num_devices, precision=precision,
         window_bytes=sum(x.nbytes for x in jax.tree.leaves(window.batch)))}[word]
     state, metrics = step(state, window)
     jax.block_until_ready(metrics)
@@ -80,13 +78,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--torch-blocks", type=int, default=8)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--job", default="dense", choices=("dense", "scan", "gpt", "gpt-scan"),
+                        help="the Dense stack (scan: stacked and scanned) or the flax GPT of "
+                             "tests/scripts/jax_gpt.py (gpt-scan: its blocks under nn.scan)")
     args = parser.parse_args()
+    kind = "" if args.job == "dense" else args.job
     words = ("ddp", "zero1", "fsdp", "fsdp-sync")
-    results = {w: run(w, args.precision, args.layers, args.steps) for w in words}
+    results = {w: run(w, args.precision, args.layers, args.steps, kind) for w in words}
     ddp = results["ddp"]
     print(machine_line(f"jax {jax.__version__}, 4 host devices, 1 process"))
-    print(f"job: {args.layers} layers of {job.WIDTH}x{job.WIDTH} + bias, Adam, "
-          f"{args.precision}, K={job.K}, {job.ROWS} rows per device per micro-step")
+    if kind.startswith("gpt"):
+        plain = job.plain_activations(args.layers, kind) / MIB
+        print(f"job: flax GPT, {args.layers} layers, d=256, T=64, Adam, {args.precision}, "
+              f"K={job.GPT_K}, {job.GPT_ROWS} rows per device per micro-step; plain JAX keeps "
+              f"{plain:.1f} MiB for one micro-batch's backward (the model column has no "
+              "activations)")
+    else:
+        print(f"job: {args.layers} layers of {job.WIDTH}x{job.WIDTH} + bias ({args.job}), "
+              f"Adam, {args.precision}, K={job.K}, {job.ROWS} rows per device per micro-step")
     rows = [(w, f"{r['measured']:.1f}", f"{r['model']:.1f}",
              f"{r['model'] / r['measured']:.3f}", f"{r['measured'] / ddp['measured']:.2f}x",
              f"{r['seconds'] * 1000:.0f}", f"{r['seconds'] / ddp['seconds']:.2f}x")

@@ -43,6 +43,8 @@ from accumix.memory import oom_split
 from accumix.memory.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.precision.loss_scale import check_loss_scale_use
+from accumix.precision.policy import dtype_name, with_reduce_dtype
+from accumix.precision.reduce_dtype import EffectiveDtypes, parse_reduce_dtype
 from accumix.runtime import fault
 from accumix.runtime.env import detect_launch_env, init_process_group, pick_device, seed_everything
 from accumix.runtime.logging_setup import configure_logging
@@ -70,6 +72,11 @@ class Accelerator:
             ``"90%"`` of the device's memory (on CPU: this process's share of the host's);
             None: the whole device.
         loss_scale: a ``DynamicLossScale`` for fp16; None uses its defaults.
+        reduce_dtype: what gradients travel in between ranks, on every strategy: ``"fp32"``,
+            ``"bf16"`` (half the bytes) or ``"fp16"`` (half the bytes, ``fp16-mixed`` only: its
+            loss scaling recovers from an overflow); None: the precision's (float32, bfloat16
+            under ``bf16-true``). The window's gradients are summed locally in float32 and
+            cast only for the reduction; ``acc.effective_dtypes`` states what runs.
         seed: seeds python, numpy and torch identically on every rank.
         timeout: seconds a collective may wait before every rank stops with an error.
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments compiles each model
@@ -93,6 +100,7 @@ class Accelerator:
         seed: int | None = None,
         timeout: float = 600.0,
         compile: CompileSetting = None,
+        reduce_dtype: str | torch.dtype | None = None,
     ) -> None:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout={timeout!r} is invalid; use seconds > 0")
@@ -101,7 +109,7 @@ class Accelerator:
         configure_logging(launch.rank)
         device = pick_device(launch)
         init_process_group(launch, device, timeout)
-        policy = resolve_policy(precision, device)
+        policy = with_reduce_dtype(resolve_policy(precision, device), reduce_dtype)
         check_loss_scale_use(loss_scale, precision=precision, chosen=policy.name,
                              scales=policy.needs_loss_scaling)
         scaler: DynamicLossScale | NoLossScale = NoLossScale()
@@ -109,6 +117,7 @@ class Accelerator:
             scaler = loss_scale or DynamicLossScale()
         chosen = resolve_strategy(strategy, launch)
         chosen.connect(launch=launch, device=device, policy=policy, scaler=scaler)
+        policy = _agreed_reduce_dtype(chosen, reduce_dtype)
         check_micro_batch_word(micro_batch_size, global_batch_size)
         memory_limit = parse_memory_limit(memory_limit, device_total=device_total_bytes(
             device, local_world_size=launch.local_world_size))
@@ -145,6 +154,12 @@ class Accelerator:
     def policy(self) -> Policy:
         """The precision policy in force (param, compute and reduce dtypes)."""
         return self._run.policy
+
+    @property
+    def effective_dtypes(self) -> EffectiveDtypes:
+        """The dtypes the run really uses: parameters, compute, gradient accumulation, the
+        reduction (and how often it runs) and the optimizer's masters (logged at setup)."""
+        return self._run.strategy.effective_dtypes()
 
     @property
     def strategy(self) -> Strategy:
@@ -457,3 +472,20 @@ class Accelerator:
         old store still answers on the same port (a hang).
         """
         lifecycle.end(self._run)
+
+
+def _agreed_reduce_dtype(strategy: Strategy, reduce_dtype: str | torch.dtype | None) -> Policy:
+    """The policy the connected strategy runs (it may carry its own ``reduce_dtype``, as
+    ``FSDPStrategy(reduce_dtype=)`` does).
+
+    Raises:
+        ConfigError: the strategy's reduce dtype contradicts the one given to the Accelerator.
+    """
+    policy = strategy.policy
+    assert policy is not None
+    asked = parse_reduce_dtype(reduce_dtype)
+    if asked is not None and dtype_name(policy.reduce_dtype) != asked:
+        raise ConfigError(
+            f"reduce_dtype={asked!r} contradicts the strategy's own reduce_dtype="
+            f"{dtype_name(policy.reduce_dtype)!r}; give it in one place")
+    return policy

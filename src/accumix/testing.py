@@ -277,3 +277,115 @@ def _funcol_payload(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, g
         size = len(_funcol_group(args, kwargs, index))
         return [torch.empty(tensor.numel() * size, dtype=tensor.dtype, device="meta")]
     return [tensor]
+
+
+# -- what a reduce dtype costs in accuracy (issue 33) ---------------------------------------
+class TinyTransformer(nn.Module):
+    """A pre-norm causal transformer small enough for CPU tests (float64 works: the reference)."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, heads: int = 2, layers: int = 2,
+                 seq: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(0.02 * torch.randn(seq, width))
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
+                                       norm_first=True) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).triu(1)
+        x = self.embed(tokens) + self.pos[:seq]
+        for block in self.blocks:
+            x = block(x, src_mask=causal)
+        return self.head(x)
+
+
+def token_batches(steps: int, samples: int, *, vocab: int = 64, seq: int = 16, seed: int = 0
+                  ) -> torch.Tensor:
+    """``[steps, samples, seq + 1]`` random tokens: each optimizer step's global batch."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (steps, samples, seq + 1), generator=gen)
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting each token from the ones before it."""
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       tokens[:, 1:].reshape(-1))
+
+
+def flat_weights(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A state dict's tensors as one float64 vector, in order."""
+    return torch.cat([v.detach().double().reshape(-1).cpu() for v in state.values()])
+
+
+def reference_weights(batches: torch.Tensor, *, lr: float, momentum: float, seed: int = 0,
+                      dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch on one process: one SGD step per global batch, in ``dtype``. Returns the
+    initial and the final weights, flat."""
+    torch.manual_seed(seed)
+    model = TinyTransformer().to(dtype)
+    first = flat_weights(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for batch in batches:
+        opt.zero_grad()
+        next_token_loss(model, batch).backward()
+        opt.step()
+    return first, flat_weights(model.state_dict())
+
+
+def relative_errors(got: torch.Tensor, first: torch.Tensor, exact: torch.Tensor
+                    ) -> dict[str, float]:
+    """``weights``: ||w - w_exact|| / ||w_exact||; ``update``: the same over the training's
+    own movement ||w_exact - w_0|| (the stricter one: the weights barely move in 10 steps)."""
+    distance = (got - exact).norm().item()
+    return {"weights": distance / exact.norm().item(),
+            "update": distance / (exact - first).norm().item()}
+
+
+def reduction_error_job(strategy: Any, *, reduce_dtype: str | None, precision: str,
+                        grad_accum_steps: int, steps: int = 10, per_rank: int = 16,
+                        lr: float = 0.1, momentum: float = 0.9, seed: int = 0) -> dict[str, Any]:
+    """One rank of the issue-33 measurement: ``TinyTransformer`` trained with accumix (every
+    rank ``per_rank`` samples per optimizer step in K micro-batches, so the global batch does
+    not change with K), against the same run in float64 on one process (rank 0).
+
+    Returns:
+        ``bytes``: gradient payload bytes this rank handed to its collectives per optimizer
+        step (``CollectiveLog`` around the backward calls: all-reduces and reduce-scatters);
+        ``dtypes``: the collectives' dtypes; on rank 0 also ``weights`` and ``update``
+        (``relative_errors``) and ``steps`` (optimizer steps taken).
+    """
+    import accumix as ax
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    batches = token_batches(steps, per_rank * world, seed=seed)
+    acc = ax.Accelerator(strategy=strategy, precision=precision,
+                         grad_accum_steps=grad_accum_steps, reduce_dtype=reduce_dtype)
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    model, opt = acc.setup(model, opt)
+    micro = per_rank // grad_accum_steps
+    log = CollectiveLog()
+    for batch in batches:
+        mine = batch[acc.rank * per_rank:(acc.rank + 1) * per_rank]
+        for part in mine.split(micro):
+            with acc.accumulate():
+                loss = next_token_loss(model, part)
+                with log:
+                    acc.backward(loss)
+                opt.step()
+                opt.zero_grad()
+    grads = [c for c in log.calls if c.op == "all_reduce" or c.op.startswith("reduce_scatter")]
+    out: dict[str, Any] = {"bytes": sum(c.nbytes for c in grads) / steps,
+                           "dtypes": sorted({str(c.dtype) for c in grads}),
+                           "effective": acc.effective_dtypes.describe()}
+    state = acc.strategy.full_state_dict(model)
+    if acc.rank == 0:
+        first, exact = reference_weights(batches, lr=lr, momentum=momentum, seed=seed)
+        out.update(relative_errors(flat_weights(state), first, exact), steps=acc.optimizer_steps)
+    acc.end()
+    return out

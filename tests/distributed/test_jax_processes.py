@@ -58,6 +58,22 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     assert [r["single"] for r in trained] == [
         "strategy='single' cannot run in a world of 2 processes; use 'ddp' (or 'auto'), or "
         "launch one process"] * 2
+    # Issue 30: every strategy object built before JAX started (was a RuntimeError: the mesh
+    # was made in the constructor), on windows of 4 and 3 micro-batches (K=4, item mode; fsdp
+    # hung in both modes: the padded micro-step skipped the collectives its peer issued):
+    # each equals the large batch of the 7 real micro-batches, the same params on both.
+    # Issue 32: hsdp with replicas=None (the 2 processes as 2 nodes of 2 devices) too.
+    for r in trained:
+        assert set(r["uneven_strategies"]) == {"ddp", "zero1", "fsdp", "fsdp-sync", "hsdp"}, r
+        assert all(d < 1e-6 for d in r["uneven_strategies"].values()), r["uneven_strategies"]
+    assert trained[0]["uneven_strategy_params"] == trained[1]["uneven_strategy_params"]
+    # Issue 33: the default reduce dtype changes nothing: the params of the code before it
+    # (1dc272f), bit for bit (floats written by json round-trip exactly).
+    golden = json.loads((ROOT / "tests" / "golden" / "pre_jax33" /
+                         "uneven_strategy_params.json").read_text())
+    for name, params in golden.items():
+        assert trained[0]["uneven_strategy_params"][name] == params, name
+    assert [r["single_object"] for r in trained] == [trained[0]["single"]] * 2
 
     # The same job's DataLoader run: each process's loader takes its shard; the global windows
     # equal the two shards side by side (short last window included).
@@ -80,6 +96,9 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     (resharded,) = _results(tmp_path, "reshard")
     assert (resharded["processes"], resharded["devices"], resharded["loaded_step"]) == (1, 1, 2)
     assert resharded["max_diff"] < 1e-6
+    # Issue 32 item 4: hsdp saved on 2 processes (2 nodes of 2 devices) resumes on one.
+    assert resharded["hsdp_loaded_step"] == 1
+    assert resharded["hsdp_resumed_diff"] < 1e-6, resharded["hsdp_resumed_diff"]
 
 
 def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: Path) -> None:

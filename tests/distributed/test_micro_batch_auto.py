@@ -2,7 +2,8 @@
 only (in its forward, mid-model; or in its backward): both ranks choose the largest divisor that
 rank 1 can run, nobody hangs, and the run equals the run given that size explicitly, bitwise
 (weights, BatchNorm buffers, dropout's RNG), under ddp, zero1, fsdp and DeepSpeed ZeRO 1/2 (and the
-engine's counters as the explicit run's); ZeRO-3 is refused in one line."""
+engine's counters as the explicit run's); ZeRO-3 is refused in one line. Also two fsdp models
+with rank 1 out of memory inside the first at its first probe (issue 28, case 11)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from accumix.memory.micro_batch_cache import cache_key
 from accumix.memory.micro_batch_probe import measure
 from accumix.testing import ResidualBlock
 from tests.distributed import micro_batch_jobs
+from tests.oom_injection import OOMAbove
 
 GLOBAL, LIMIT_ROWS = 24, 5  # per rank 12: candidates 1, 2, 3, 4, 6, 12; rank 1 runs <= 5 rows
 BELOW_BUCKET = 900_000_000  # bytes
@@ -127,6 +129,28 @@ if importlib.util.find_spec("deepspeed") is not None:
     CASES |= {"zero-1": ("forward",), "zero-2": ("forward", "backward")}
 
 
+def _two_fsdp_models_nothing_fits() -> str:
+    """Two models under fsdp; rank 1 runs out of memory inside the first at any size, so the
+    first probe stops there and the second model's forward never ran: the one line."""
+    acc = ax.Accelerator(strategy="fsdp", global_batch_size=GLOBAL, micro_batch_size="auto",
+                         seed=0, timeout=60)
+    torch.manual_seed(0)
+    first = nn.Sequential(ResidualBlock(6), ResidualBlock(6), OOMAbove())
+    first[-1].limit = 0 if dist.get_rank() == 1 else None
+    second = nn.Sequential(ResidualBlock(6), ResidualBlock(6), nn.Linear(6, 1))
+    first, second, _, _ = acc.setup(first, second, torch.optim.AdamW(first.parameters()),
+                                    torch.optim.AdamW(second.parameters()))
+    said = "chose a size"
+    try:
+        acc.find_micro_batch_size(
+            lambda batch: nn.functional.mse_loss(second(first(batch[0])), batch[1]),
+            lambda n: (torch.randn(n, 6), torch.randn(n, 1)))
+    except ConfigError as exc:
+        said = str(exc)
+    acc.end()
+    return said
+
+
 def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     out = {}
     for strategy, injections in cases.items():
@@ -140,6 +164,7 @@ def job(cases: dict[str, tuple[str, ...]]) -> dict[str, Any]:
             }
             if "bucket" in auto:
                 out["zero-2 bucket"] = auto["bucket"]
+    out["two fsdp models, nothing fits"] = _two_fsdp_models_nothing_fits()
     if "zero-2" in cases:
         out["zero keys"] = [_key(stage, config) for stage, config in (
             (1, None), (2, None), (2, {"zero_optimization": {"reduce_bucket_size": 10**9}}))]
@@ -162,6 +187,11 @@ def test_injected_oom_every_rank_chooses_the_largest_that_fits_and_trains_bitwis
             # whole mapped buffer, which never becomes resident (the probe counted 2e9 bytes).
             growth, written, bucket = result.pop("zero-2 bucket")
             assert written <= growth < written + 2**20 < bucket, (rank, growth, written, bucket)
+        # Not a row fits on rank 1, inside the first of two fsdp models: the one line on both
+        # ranks (before: FSDP's AttributeError, resetting the second model, whose forward never
+        # ran).
+        assert result.pop("two fsdp models, nothing fits").startswith(
+            "micro_batch_size='auto': not even a micro-batch of 1 fits"), rank
         for case, facts in result.items():
             assert facts["chosen"] == 4, (rank, case, facts)  # largest divisor of 12 <= 5
             assert facts["steps"] == (4, 4), (rank, case, facts)  # 48 rows / (4 x K=3)

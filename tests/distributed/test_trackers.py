@@ -30,7 +30,7 @@ from accumix.errors import ConfigError
 from accumix.trainer.run_lock import check_run_dir_free
 
 ACCUMIX = [sys.executable, "-m", "accumix.cli.main"]
-JOB = ["global_batch_size=8", "micro_batch_size=2", "precision=fp32",
+JOB = ["global_batch_size=8", "micro_batch_size=2", "precision=fp32", "reduce_dtype=bf16",
        "strategy=ddp", "eval_every=null", "checkpoint_every=2", "model.n_layer=1",
        "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_files=8",
        "data.max_val_bytes=500", "sample.max_new_tokens=0", "progress_bar=false", "plot=false",
@@ -228,6 +228,11 @@ def test_a_job_preempted_then_killed_then_resumed_on_one_process_keeps_one_histo
             params["attempt3.config.max_steps"]) == ("1", "4", str(final))  # were stale
     assert "attempt3.global_batch_size" not in params  # unchanged: 8
     assert params["config.max_steps"] == str(LONG)
+    # The YAML key reached the Accelerator: the 2-rank attempts reduced in bf16; one process
+    # reduces nothing.
+    assert (params["config.reduce_dtype"], params["dtype_reduction"],
+            params["dtype_accumulation"], params["attempt3.dtype_reduction"]) == (
+        "bf16", "bfloat16", "float32", "none")
     assert runs[0].data.tags["job"] == "tracked"
     for name in ("cpu_percent", "rss_mb", "step_time_s"):
         points = client.get_metric_history(run_id, f"system/rank0/{name}")

@@ -1,7 +1,9 @@
 """A JAX job for ``accumix launch --nproc 2`` (or one plain process): train, save, resume.
 
     python jax_train.py OUT_DIR train    # ddp and fsdp vs the large batch; fsdp saves at step 2;
-                                         # then a torch DataLoader per process, saved mid-epoch
+                                         # every strategy object (built before JAX starts) on
+                                         # windows of 4 and 3 micro-batches; then a torch
+                                         # DataLoader per process, saved mid-epoch
     python jax_train.py OUT_DIR resume   # loads both saves, continues; writes the params
     python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError
 
@@ -155,6 +157,79 @@ def uneven_and_single(result: dict[str, object]) -> None:
         result["single"] = str(exc)
 
 
+def strategy_objects() -> dict[str, axj.JaxStrategy]:
+    """Every JAX strategy class, built before JAX starts (the README's way to ask for
+    ``sync_each_microstep``): the mesh must wait for ``jax.distributed`` (was a RuntimeError
+    in every process)."""
+    return {"single": axj.SingleStrategy(), "ddp": axj.DDPStrategy(),
+            "zero1": axj.ZeRO1Strategy(), "fsdp": axj.FSDPStrategy(),
+            "fsdp-sync": axj.FSDPStrategy(sync_each_microstep=True),
+            "hsdp": axj.HSDPStrategy()}  # replicas: the 2 processes, as 2 nodes of 2 devices
+
+
+def uneven_batches() -> list[dict[str, np.ndarray]]:
+    return w.micro_batches(15, rows=ROWS, seed=17)  # one process's rows each
+
+
+def hsdp_on_one_process(result: dict[str, object], out: Path) -> None:
+    """The hsdp state saved after the uneven job's first window (2 processes as 2 nodes of 2
+    devices) loads into fsdp on one process and device, and its second window (both
+    processes' micro-batches side by side) ends at the large batch of all 15 micro-batches."""
+    import optax
+
+    lr = 0.5
+    batches = uneven_batches()
+    ref = w.init_params()
+    for big in (w.concat(batches[:7]), w.concat(batches[7:])):
+        grads = jax.grad(lambda q, b=big: w.large_batch_loss(q, b, True))(ref)
+        ref = jax.tree.map(lambda q, g: q - lr * g, ref, grads)
+    acc = axj.Accelerator(strategy="fsdp", precision="fp32", grad_accum_steps=4)
+    state = acc.load_state(out / "hsdp-run", acc.setup(w.init_params(), optax.sgd(lr)))
+    result["hsdp_loaded_step"] = int(state.step)
+    window = [w.concat([batches[7 + i], batches[11 + i]]) for i in range(4)]
+    state, _ = acc.train_step(w.item_loss)(state, window)
+    result["hsdp_resumed_diff"] = w.max_diff(state.params, ref)
+
+
+def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStrategy],
+                          out: Path) -> None:
+    """Item mode, K=4: process 0 passes 4 micro-batches, process 1 passes 3, then both 4; each
+    strategy object made before JAX started. fsdp hung here (a process that skipped its padded
+    micro-step missed the gathers and reduce-scatters its peer issued). SGD against the large
+    batch of every real micro-batch; the same params on both processes."""
+    import optax
+
+    k, lr = 4, 0.5
+    batches = uneven_batches()
+    p = jax.process_index()
+    windows = [batches[:4] if p == 0 else batches[4:7], batches[7:11] if p == 0 else batches[11:]]
+    ref = w.init_params()
+    for big in (w.concat(batches[:7]), w.concat(batches[7:])):
+        grads = jax.grad(lambda q, b=big: w.large_batch_loss(q, b, True))(ref)
+        ref = jax.tree.map(lambda q, g: q - lr * g, ref, grads)
+    diffs, same = {}, {}
+    for name in ("ddp", "zero1", "fsdp", "fsdp-sync", "hsdp"):
+        acc = axj.Accelerator(strategy=early[name], precision="fp32", grad_accum_steps=k)
+        state = acc.setup(w.init_params(), optax.sgd(lr))
+        step = acc.train_step(w.item_loss)
+        for i, window in enumerate(windows):
+            state, _ = step(state, window)
+            if name == "hsdp" and i == 0:  # issue 32 item 4: resumed on one process (reshard)
+                acc.save_state(out / "hsdp-run", state)
+        gathered = jax.tree.map(
+            lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
+            state.params)
+        diffs[name] = w.max_diff(gathered, ref)
+        same[name] = {key: v.tolist() for key, v in flat(gathered).items()}
+    result["uneven_strategies"] = diffs
+    result["uneven_strategy_params"] = same
+    try:
+        axj.Accelerator(strategy=early["single"], precision="fp32", grad_accum_steps=k)
+        result["single_object"] = None
+    except axj.ConfigError as exc:
+        result["single_object"] = str(exc)
+
+
 def auto_choice(out: Path) -> None:
     """micro_batch_size='auto' with a smaller memory_limit on process 1: both take its choice
     (4 of 2/4/8/16 rows per process), though process 0's limit fits every candidate."""
@@ -181,6 +256,7 @@ def auto_choice(out: Path) -> None:
 
 
 def main(out: Path, mode: str, saved_processes: int) -> None:
+    early = strategy_objects() if mode == "train" else {}  # before anything starts JAX
     if mode == "mismatch":
         try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
             axj.Accelerator(strategy="ddp", precision="fp32",
@@ -229,8 +305,11 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
         now = flat(gathered)
         result["bitwise"] = all(np.array_equal(done[k], now[k]) for k in now)
         result["max_diff"] = max(float(np.max(np.abs(done[k] - now[k]))) for k in now)
+        if mode == "reshard":
+            hsdp_on_one_process(result, out)
     if mode == "train" and acc.world_size > 1:
         uneven_and_single(result)
+        uneven_every_strategy(result, early, out)
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
     if mode in ("train", "resume") and acc.world_size > 1:
         train_with_loader(out, "loader" if mode == "train" else "loader-resume")

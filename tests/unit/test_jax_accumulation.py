@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -164,3 +166,58 @@ def test_window_from_the_loop_matches_a_list() -> None:
     assert window.batch["x"].shape == (K, w.ROWS, 3, 4)  # one process: its rows are global
     assert np.asarray(window.mask).tolist() == [True, True, True, False]
     assert window.batch["x"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
+
+
+def _uneven(acc, micro, counts):
+    """``micro`` (this process's K micro-batches) with device d's real micro-steps
+    ``counts[d]``: what processes passing windows of different lengths give the step (one
+    process here: the device mask written by hand)."""
+    from accumix.jax.data import Window
+
+    window = acc.window(micro)
+    mask = np.stack([np.arange(K) < c for c in counts], axis=1)
+    sharding = acc.strategy.sharding(acc.strategy.rows_spec(1))
+    return Window(batch=window.batch, mask=window.mask,
+                  device_mask=jax.make_array_from_process_local_data(sharding, mask))
+
+
+def test_devices_with_windows_of_different_lengths_equal_the_large_batch() -> None:
+    """Issue 30: a device whose micro-step is padding while another's is real runs it too
+    (fsdp's gathers and reduce-scatters must be issued by every device: across processes the
+    old per-device skip hung) and adds exactly nothing. Devices with 4 and 3 micro-steps, SGD,
+    against the large batch of the 7 real ones: item mode for every strategy; a token mean
+    that is 0/0 on an all-padding micro-batch (the padded device recomputes its real
+    micro-batch 0 with a zero seed, so no NaN reaches a sum); fp16 equal to ddp."""
+    import optax
+
+    micro = w.micro_batches(K, rows=4, seed=5, ragged=False)
+    rows = [jax.tree.map(lambda x, d=d: x[2 * d:2 * d + 2], micro[k])
+            for k in range(K) for d, count in enumerate((4, 3)) if k < count]
+
+    def token_mean(params, batch, rng):
+        err = (w.forward(params, batch["x"]) - batch["y"]) ** 2 * batch["mask"]
+        return err.sum() / batch["mask"].sum()
+
+    def sgd(loss):
+        grads = jax.grad(loss)(w.init_params())
+        return jax.tree.map(lambda p, g: p - 0.5 * g, w.init_params(), grads)
+
+    cases = [(s, "fp32", w.item_loss, sgd(lambda p: w.large_batch_loss(p, w.concat(rows), True)))
+             for s in ("ddp", "zero1", "fsdp", axj.FSDPStrategy(sync_each_microstep=True))]
+    mean_ref = sgd(lambda p: sum(token_mean(p, r, None) for r in rows) / len(rows))
+    cases += [(axj.FSDPStrategy(sync_each_microstep=True), "fp32", token_mean, mean_ref)]
+    ends = {}
+    for strategy, precision, loss, ref in cases + [
+            (s, "fp16-mixed", w.item_loss, None)
+            for s in ("ddp", axj.FSDPStrategy(sync_each_microstep=True))]:
+        emulated = precision != "fp32"
+        with pytest.warns(UserWarning, match="emulated") if emulated else nullcontext():
+            acc = axj.Accelerator(strategy=strategy, precision=precision, grad_accum_steps=K)
+        state = acc.setup(w.init_params(), optax.sgd(0.5))
+        state, metrics = acc.train_step(loss)(state, _uneven(acc, micro, (4, 3)))
+        assert np.isfinite(float(metrics["loss"])), (strategy, precision)
+        if ref is not None:
+            assert w.max_diff(state.params, ref) < 1e-6, (strategy, loss.__name__)
+        else:
+            ends[repr(strategy)] = state.params
+    assert w.max_diff(*ends.values()) < 1e-6  # fp16: the synced fsdp equals ddp

@@ -116,7 +116,7 @@ def test_memory_model_matches_the_compiled_step_on_2_devices() -> None:
     assert abs(got["model"] / got["measured"] - 1) < 0.10, got
 
 
-def test_fsdp_memory_on_4_devices() -> None:
+def test_fsdp_memory_on_4_devices(tmp_path: Path) -> None:
     """The issue's job (8 layers of 512x512, Adam, K=16) on 4 host devices: the model within
     10% everywhere, and what fsdp saves against ddp (arguments + temporaries per device)."""
     jobs = [f"{s}/{p}/8" for p in ("fp32", "bf16-mixed")
@@ -130,16 +130,16 @@ def test_fsdp_memory_on_4_devices() -> None:
     jobs += [f"{s}/{p}/2" for p in ("bf16-mixed", "fp16-mixed", "bf16-true")
              for s in ("zero1", "fsdp")]
     jobs += ["ddp/fp32/16", "fsdp/fp32/16", "fsdp-sync/fp32/16"]
-    jobs += ["ddp/fp32/8/scan", "fsdp-sync/fp32/8/scan"]  # the layers stacked and scanned
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    done = subprocess.run([sys.executable, "tests/scripts/jax_fsdp_memory.py", *jobs],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    jobs += ["ddp/fp32/8/scan", "fsdp/fp32/8/scan", "fsdp-sync/fp32/8/scan"]  # stacked, scanned
+    # Issue 30: the flax GPT (d=256, T=64, 2 rows per device, K=4), unrolled and under nn.scan,
+    # and what plain JAX keeps for one micro-batch's backward (its activations).
+    jobs += [f"{s}/fp32/8/gpt" for s in ("ddp", "fsdp", "fsdp-sync", "plain")]
+    jobs += [f"{s}/fp32/8/gpt-scan" for s in ("ddp", "fsdp", "plain")]
+    jobs += ["hsdp/fp32/8", "hsdp-defer/fp32/8"]  # issue 32: 2 replicas of 2 devices
+    got = _measure_in_parallel(jobs, tmp_path)
     for name, row in got.items():  # the model counts a stacked leaf as gathered whole
-        assert name.endswith("/scan") or abs(row["model"] / row["measured"] - 1) < 0.10, (
-            name, row)
+        assert name.endswith(("/scan", "gpt", "gpt-scan")) or abs(
+            row["model"] / row["measured"] - 1) < 0.10, (name, row)
     ddp = got["ddp/fp32/8"]["measured"]
     # Gathered for the window: fsdp 0.75x of ddp; gathered at use under one checkpoint (every
     # re-gather merged with the forward's): 0.58x and 0.41x; gathered at each use (per_use.py):
@@ -147,6 +147,10 @@ def test_fsdp_memory_on_4_devices() -> None:
     assert got["fsdp/fp32/8"]["measured"] <= 0.50 * ddp, got
     assert got["fsdp-sync/fp32/8"]["measured"] <= 0.30 * ddp, got
     assert got["zero1/fp32/8"]["measured"] < 0.75 * ddp, got
+    # hsdp: fsdp over a node's 2 devices (measured 0.51x of ddp, the model -7%; defer 0.57x,
+    # -1%): below ddp, and the model within 10% (above).
+    assert got["hsdp/fp32/8"]["measured"] <= 0.55 * ddp, got
+    assert got["hsdp-defer/fp32/8"]["measured"] <= 0.60 * ddp, got
     # 8 more layers add their shards, accumulators and Adam state, and the activations their
     # backward keeps (a row block each, twice at most), never a gathered copy of the model.
     n = job.WIDTH * job.WIDTH + job.WIDTH  # one layer's elements; its shard is n / 4
@@ -155,132 +159,66 @@ def test_fsdp_memory_on_4_devices() -> None:
         state = 8 * (n + accumulators + 2 * n)  # params n/4 x 4 B, Adam 2 x n/4 x 4 B
         growth = got[f"{mode}/fp32/16"]["measured"] - got[f"{mode}/fp32/8"]["measured"]
         assert growth <= state + activations, (mode, growth, state, got)
-    # Scanned layers: each slice gathered per iteration inside the body (0.36x); gathered
-    # whole for the scan, as before per_use.scan, sync held 0.83x.
+    # Scanned layers: each slice gathered per iteration inside the body (sync 0.36x; gathered
+    # whole for the scan, as before per_use.scan, 0.83x). The default mode held 0.65x: the
+    # scan's backward stacked every iteration's gradient (a second full float32 stack) and
+    # the reduce-scatter copied the stack whole into its layout; now each iteration's
+    # gradient joins its accumulator slice in the scan's backward and the stack is scattered
+    # slice by slice: 0.43x, sync 0.27x.
     scan_ddp = got["ddp/fp32/8/scan"]["measured"]
-    assert got["fsdp-sync/fp32/8/scan"]["measured"] <= 0.40 * scan_ddp, got
+    assert got["fsdp/fp32/8/scan"]["measured"] <= 0.50 * scan_ddp, got
+    assert got["fsdp-sync/fp32/8/scan"]["measured"] <= 0.30 * scan_ddp, got
+    _assert_the_gpt_at_its_floor(got)
 
 
-def test_estimate_memory_sizes_the_jax_strategies(capsys) -> None:
-    """``accumix estimate-memory`` with the JAX backend: the JAX model's rows and its choice."""
-    import optax
-
-    from accumix.cli.main import main
-    from accumix.jax.memory import estimate_jax_memory
-
-    assert main(["estimate-memory", "--backend", "jax", "--params", "1e9", "--world-size", "8",
-                 "--precision", "bf16-mixed", "--device-gib", "14"]) == 0
-    out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:7]}
-    assert list(rows) == ["single", "ddp", "zero1", "fsdp", "fsdp-sync"]
-    model = {e.strategy: e for e in estimate_jax_memory(
-        10**9, optax.adamw(1e-3), num_devices=8, precision="bf16-mixed")}
-    for name, row in rows.items():
-        assert float(row[6]) == pytest.approx(model[name].total_bytes / 2**30, abs=0.006)
-    # 80% of 14 GiB: zero1 (14.0 GiB: params, two float32 gradient buffers, a bf16 copy)
-    # does not fit; fsdp (7.45 GiB: the one flat leaf gathered in bf16, per_use's cast before
-    # the gather; 10.9 GiB when the model counted a float32 gather and its cast) does.
-    assert out.splitlines()[-1].startswith("auto: fsdp: "), out
-
-
-def _structured_params():
-    import numpy as np
-    rng = np.random.default_rng(3)
-    return {"emb": rng.normal(size=(4, 8)).astype(np.float32) * 0.5,
-            "proj": rng.normal(size=(8, 8)).astype(np.float32) * 0.3,
-            "stack": rng.normal(size=(2, 8, 8)).astype(np.float32) * 0.3,
-            "scale": rng.normal(size=(8,)).astype(np.float32)}
+def _measure_in_parallel(jobs: list[str], tmp_path: Path) -> dict:
+    """``tests/scripts/jax_fsdp_memory.py`` on 4 host devices, the jobs split over two
+    processes that compile side by side (one XLA compile keeps one core busy; CI has two): the
+    flax GPT's rows in one, the rest in the other (about equal compile times)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    groups = [[j for j in jobs if j.endswith("/gpt")],
+              [j for j in jobs if not j.endswith("/gpt")]]
+    running = []
+    try:
+        for i, group in enumerate(groups):
+            with (tmp_path / f"out{i}").open("w") as out, (tmp_path / f"err{i}").open("w") as err:
+                running.append(subprocess.Popen(
+                    [sys.executable, "tests/scripts/jax_fsdp_memory.py", *group], cwd=ROOT,
+                    env=env, stdout=out, stderr=err))
+        for proc in running:
+            proc.wait(timeout=600)
+    finally:
+        for proc in running:
+            proc.kill()
+    got: dict = {}
+    for i, proc in enumerate(running):
+        assert proc.returncode == 0, (tmp_path / f"err{i}").read_text()[-2000:]
+        got.update(json.loads((tmp_path / f"out{i}").read_text().strip().splitlines()[-1]))
+    assert sorted(got) == sorted(jobs)
+    return got
 
 
-def _structured_loss(p, batch, rng):
-    """Every kind of use per_use.py handles: a tied (twice used, once transposed) embedding, a
-    jitted block and a checkpointed closure (inlined), a scan over stacked layers and a
-    custom_jvp function of a parameter (each the whole equation), a bf16 cast (gathered in
-    bf16), a parameter added to a -inf masked score, and a sum of squares (no activation)."""
-    jnp = jax.numpy
-    x = batch["x"] @ p["emb"]
-    x = jax.jit(lambda a, w: jnp.tanh(a @ w))(x, p["proj"])
-    x, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["stack"])
-    x = jax.checkpoint(lambda a: a * p["scale"])(x) + jax.nn.relu(p["scale"])
-    masked = jnp.where(jnp.arange(8) == 0, -jnp.inf, x)  # a masked score: -inf at [..., 0]
-    x = x + jax.nn.softmax(masked + p["scale"], axis=-1)
-    x = (x.astype(jnp.bfloat16) @ p["proj"].astype(jnp.bfloat16)).astype(jnp.float32)
-    out = (x @ p["emb"].T).sum(-1)
-    err = (out - batch["y"]) ** 2 * batch["mask"]
-    return err.sum() + 1e-3 * jnp.sum(p["proj"] ** 2), batch["mask"].sum()
-
-
-def test_every_kind_of_use_equals_ddp_in_both_modes() -> None:
-    """Tied, jitted, checkpointed, scanned, custom_jvp and cast uses of sharded leaves: both
-    fsdp modes end where ddp does (the gradient of each use routed and summed)."""
-    import optax
-    windows = windows_of(w.micro_batches(2 * K))
-    ends = {}
-    for name, strategy in (("ddp", "ddp"), ("fsdp", axj.FSDPStrategy()),
-                           ("sync", axj.FSDPStrategy(sync_each_microstep=True))):
-        acc = axj.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=K)
-        state = acc.setup(_structured_params(), optax.adam(1e-2))
-        step = acc.train_step(_structured_loss)
-        for window in windows:
-            state, _ = step(state, acc.window(window))
-        ends[name] = state.params
-    assert sum(x.sharding.spec != jax.sharding.PartitionSpec()
-               for x in jax.tree.leaves(ends["fsdp"])) == 4  # every leaf really sharded
-    assert w.max_diff(ends["fsdp"], ends["ddp"]) < 1e-6
-    assert w.max_diff(ends["sync"], ends["ddp"]) < 1e-6
-
-
-def test_the_ordering_zero_keeps_every_parameter_bit() -> None:
-    """``per_use._after`` ties a shard to an anchor by subtracting a zero derived from it: the
-    shard must come back bit for bit (-0 stays -0, inf and NaN stay) whatever the anchor holds,
-    an integer at its minimum included (token ids, quantized values: abs(int32 min) overflows
-    to a negative number, whose product with 0 was -0, and -0 - (-0) is +0)."""
-    import numpy as np
-
-    from accumix.jax.per_use import _after
-    jnp = jax.numpy
-    shard = np.array([-0.0, 0.0, -1.5, np.inf, -np.inf, np.nan], np.float32)
-    anchors = [np.array([np.iinfo(np.int32).min, 3], np.int32), np.array([-128], np.int8),
-               np.array([-0.0], np.float32), np.array([np.nan], np.float32),
-               np.array([-np.inf], np.float32), np.array([1e30], np.float32),
-               np.array([3 + 4j], np.complex64)]
-    for anchor in anchors:
-        for dtype in (jnp.float32, jnp.bfloat16):
-            out = jax.jit(_after)([jnp.asarray(shard, dtype)], [jnp.asarray(anchor)])[0]
-            want = np.asarray(jnp.asarray(shard, dtype)).view(np.uint8)
-            assert (np.asarray(out).view(np.uint8) == want).all(), (anchor, dtype, out)
-
-
-def test_a_stacked_per_layer_scalar_keeps_the_scan_per_iteration() -> None:
-    """A scan over stacked layers that also takes a stack of per-layer scalars (a ReZero gain,
-    shape (L,): sharded on the stacking axis, so not sliceable): the scalars are gathered whole
-    before the scan and the kernels still per iteration. Before, that one small leaf made the
-    whole scan one use, every kernel gathered whole: the synced mode held more than ddp."""
-    import numpy as np
-    import optax
-    jnp = jax.numpy
-    layers, width = 4, 128
-    rng = np.random.default_rng(0)
-    params = {"stack": (rng.normal(size=(layers, width, width)) * 0.05).astype(np.float32),
-              "gain": np.linspace(0.2, 0.8, layers).astype(np.float32)}
-
-    def loss(p, batch, key):
-        body = lambda h, wg: (h + wg[1] * jnp.tanh(h @ wg[0]), None)  # noqa: E731
-        h, _ = jax.lax.scan(body, batch["x"], (p["stack"], p["gain"]))
-        return jnp.mean((h.sum(-1) - batch["y"]) ** 2)
-
-    data = np.random.default_rng(1)
-    window = [{"x": data.normal(size=(4, width)).astype(np.float32),
-               "y": data.normal(size=(4,)).astype(np.float32)} for _ in range(K)]
-    held, ends = {}, {}
-    for name, strategy in (("ddp", "ddp"), ("sync", axj.FSDPStrategy(sync_each_microstep=True))):
-        acc = axj.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=K)
-        state = acc.setup(params, optax.sgd(0.01))
-        step = acc.train_step(loss)
-        memory = step.lower(state, acc.window(window)).compile().memory_analysis()
-        held[name] = memory.argument_size_in_bytes + memory.temp_size_in_bytes
-        ends[name], _ = step(state, acc.window(window))
-    assert ends["sync"].params["gain"].sharding.spec == jax.sharding.PartitionSpec("data")
-    assert w.max_diff(ends["sync"].params, ends["ddp"].params) < 1e-6
-    # 2 devices, 4 layers of 128x128: 1.37x of ddp before, 0.81x now (4 devices: 1.20x, 0.42x).
-    assert held["sync"] <= 0.90 * held["ddp"], held
+def _assert_the_gpt_at_its_floor(got: dict) -> None:
+    """Issue 30, on the flax GPT (8 layers, 2 rows per device): fsdp held 0.58x of ddp, sync
+    0.45x (0.60x and 0.49x at 2 layers), scanned 0.70x. Where it goes: ddp's peak is its
+    update (params, Adam, two float32 gradient sets: its activations are dead by then);
+    fsdp's is the start of the backward, every layer's activations alive beside the sharded
+    state (and the default mode's full-size accumulators). So fsdp's floor is its modelled
+    state plus what plain JAX keeps for one micro-batch's backward: 0.50x (default: the
+    issue's target), 0.37x (sync: above its 0.35x). fsdp now holds 0.53x and 0.40x, within 4%
+    of ddp's bytes of that floor (was 9%: a copy of each shard saved per use, a layout copy
+    of every shard split on a later dimension); scanned, 0.53x, at its floor (the stacked
+    per-iteration gradients gone; a scan keeps more activations than unrolled code)."""
+    ddp = got["ddp/fp32/8/gpt"]["measured"]
+    plain = got["plain/fp32/8/gpt"]["measured"]
+    for mode, floor_at_least, now in (("fsdp", 0.49, 0.54), ("fsdp-sync", 0.35, 0.41)):
+        row = got[f"{mode}/fp32/8/gpt"]
+        floor = row["model"] + plain
+        assert floor > floor_at_least * ddp, (mode, floor / ddp, got)
+        assert row["measured"] <= now * ddp, (mode, row["measured"] / ddp, got)
+        assert row["measured"] - floor <= 0.04 * ddp, (mode, (row["measured"] - floor) / ddp)
+    scan_ddp, scan = got["ddp/fp32/8/gpt-scan"]["measured"], got["fsdp/fp32/8/gpt-scan"]
+    floor = scan["model"] + got["plain/fp32/8/gpt-scan"]["measured"]
+    assert floor > 0.50 * scan_ddp and scan["measured"] <= 0.54 * scan_ddp, (floor, got)
+    assert scan["measured"] - floor <= 0.02 * scan_ddp, (scan, floor, scan_ddp)

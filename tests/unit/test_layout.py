@@ -90,6 +90,8 @@ def test_backend_free_modules_import_no_backend() -> None:
         text = (SRC / "memory" / f"{name}.py").read_text()
         top = text.split("if TYPE_CHECKING:")[0]
         assert not backend.search(top), name
+    for name in ("words", "loss_scale", "reduce_dtype"):  # the words both backends parse
+        assert not backend.search((SRC / "precision" / f"{name}.py").read_text()), name
 
 
 def test_a_checkpoint_written_before_the_layout_resumes_bitwise(tmp_path) -> None:

@@ -77,14 +77,13 @@ def test_cpu_memory_limit_chooses_the_largest_measured_fit(tmp_path: Path) -> No
 
 def test_cpu_never_runs_a_size_predicted_far_past_the_limit() -> None:
     """Peaks 100 and 150 bytes at 1 and 2 rows: 50 a row; budget 900 (1000 less 10%)."""
-    sizes = [1, 2, 4, 8, 16, 32, 64]
     results = {1: [[0.0, 100.0, 1000.0], [0.0, 100.0, 1000.0]],
                2: [[0.0, 150.0, 1000.0], [0.0, 150.0, 1000.0]]}
-    assert not _far_over(results, sizes, 32, 0.1)  # 100 + 31 x 50 = 1650 < 2 x 900
-    assert _far_over(results, sizes, 64, 0.1)  # 3250
+    assert not _far_over(results, 32, 0.1)  # 100 + 31 x 50 = 1650 < 2 x 900
+    assert _far_over(results, 64, 0.1)  # 3250
     results[2][1][1] = 900.0  # one rank's rows are costlier: it decides for all
-    assert _far_over(results, sizes, 4, 0.1)  # 100 + 3 x 800 = 2500
-    assert not _far_over({1: results[1]}, sizes, 64, 0.1)  # nothing to predict from yet
+    assert _far_over(results, 4, 0.1)  # 100 + 3 x 800 = 2500
+    assert not _far_over({1: results[1]}, 64, 0.1)  # nothing to predict from yet
 
 
 def test_measured_peak_is_the_real_peak_rss_growth() -> None:

@@ -53,6 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", default=None,
                         help="fp32 | bf16-mixed | fp16-mixed | bf16-true (default: the "
                         "recipe's, auto resolved on this machine)")
+    parser.add_argument("--reduce-dtype", default=None,
+                        help="fp32 | bf16 | fp16: what gradients travel in (default: the "
+                        "recipe's reduce_dtype, else the precision's)")
     parser.add_argument("--optimizer-states", type=int, default=2,
                         help="states per parameter: 2 Adam, 1 SGD+momentum, 0 SGD")
     parser.add_argument("--device-gib", type=float, default=None,
@@ -96,15 +99,18 @@ def run_estimate(args: argparse.Namespace) -> int:
                           "number of nodes that divides the world size")
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
+    reduce_dtype = reduce_dtype_of(args.reduce_dtype or config.reduce_dtype, precision)
     if (args.backend or config.backend) == "jax":
-        if args.nodes > 1:
-            raise ConfigError("--nodes is not sized for --backend jax yet; leave it out (the "
-                              "JAX table is per device of one mesh)")
+        if args.nodes > 1 and world // args.nodes < 2:
+            raise ConfigError(f"--nodes={args.nodes} leaves one device per node of "
+                              f"--world-size={world}: hsdp needs 2 or more; use fewer nodes")
         _host_devices(world)
-        return _run_jax(args, config, world, precision)
+        # JAX reduces in float32 under every precision unless told (accumix.jax.wire).
+        wire = reduce_dtype_of(args.reduce_dtype or config.reduce_dtype or "fp32", precision)
+        return _run_jax(args, config, world, precision, wire)
     micro = config.micro_batch_size
     if micro == "auto" and args.params is None:
-        micro = _probe_recipe(config)  # the choice accumix train makes here, without training
+        micro = _probe_recipe(config, world)  # the choice accumix train makes, without training
     model_or_count: torch.nn.Module | int
     if args.params is not None:
         model_or_count = _parse_count(args.params)
@@ -136,11 +142,45 @@ def run_estimate(args: argparse.Namespace) -> int:
     where = f"{args.nodes} nodes x {per_node} ranks" if args.nodes > 1 else f"world size {world}"
     print(f"{label}, {precision}, {where}, {device_bytes / 2**30:.1f} GiB per rank")
     print(format_table(estimates))
+    trainable = (model_or_count if isinstance(model_or_count, int) else
+                 sum(p.numel() for p in model_or_count.parameters() if p.requires_grad))
+    steps = (None if args.params is not None or not isinstance(micro, int) else
+             max(1, config.global_batch_size // (world * micro)))
+    print(reduction_line(trainable, reduce_dtype, world, steps))
     print(f"auto: {choice.reason}")
     return 0
 
 
-def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str) -> int:
+def reduce_dtype_of(given: str | None, precision: str) -> str:
+    """The reduction's dtype name: ``given`` (a ``reduce_dtype`` word), else the precision's.
+
+    Raises:
+        ConfigError: an unknown word, or fp16 where the precision scales no loss.
+    """
+    from accumix.precision.reduce_dtype import check_fp16_reduction, parse_reduce_dtype
+
+    dtype = parse_reduce_dtype(given) or ("bfloat16" if precision == "bf16-true" else "float32")
+    check_fp16_reduction(dtype, loss_scaled=precision == "fp16-mixed", precision=precision)
+    return dtype
+
+
+def reduction_line(trainable: int, reduce_dtype: str, world: int, grad_accum_steps: int | None
+                   ) -> str:
+    """The gradient reduction's bytes per optimizer step: one rank's payload."""
+    from accumix.precision.reduce_dtype import reduction_bytes
+
+    if world == 1:
+        return "gradient reduction: none (one process)"
+    once = reduction_bytes(trainable, reduce_dtype)
+    each = (f"{grad_accum_steps} x that ({grad_accum_steps * once / 2**20:,.1f} MiB)"
+            if grad_accum_steps else "K x that")
+    return (f"gradient reduction in {reduce_dtype}: {once / 2**20:,.1f} MiB per rank per "
+            f"optimizer step (ddp, zero1, fsdp, deepspeed stage 1: once per step; fsdp "
+            f"sync_each_microstep and deepspeed stages 2-3 reduce every micro-step: {each})")
+
+
+def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str,
+             reduce_dtype: str = "float32") -> int:
     """The JAX backend's table (``accumix.jax.memory``): per device of a ``devices`` mesh, each
     device ``micro_batch_size`` rows (``accumix launch``: one device per process). The
     recipe's activations are measured: its window step compiled for one device (never run,
@@ -173,6 +213,10 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
             config = dataclasses.replace(config, micro_batch_size=micro)
         if isinstance(micro, int):
             activations, how = _jax_activations(config, params, optimizer, devices, precision)
+            # hsdp's rows: fsdp's step over a node's devices; its activations are taken from
+            # the fsdp rows of the whole mesh (measured alike: one device's rows each).
+            activations.update({"hsdp": activations["fsdp-sync"],
+                                "hsdp-defer": activations["fsdp"]})
             steps = max(1, config.global_batch_size // (devices * micro))
             # The window as the step holds it: K micro-batches of every device's rows.
             window_bytes = devices * steps * 2 * micro * shape.block_size * 4
@@ -185,11 +229,24 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
     estimates = estimate_jax_memory(params, optimizer, num_devices=devices, precision=precision,
                                     platform=jax.devices()[0].platform,
                                     optimizer_states=args.optimizer_states,
-                                    window_bytes=window_bytes, activation_bytes=activations)
-    _, reason = pick_strategy(estimates, device_bytes=device_bytes)
-    print(f"{label}, {precision}, JAX, {devices} devices, {device_bytes / 2**30:.1f} GiB per "
-          "device")
+                                    window_bytes=window_bytes, activation_bytes=activations,
+                                    replicas=args.nodes)
+    _, reason = pick_strategy(estimates, device_bytes=device_bytes, nodes=args.nodes)
+    where = f"{args.nodes} nodes x {devices // args.nodes} devices" if args.nodes > 1 else (
+        f"{devices} devices")
+    print(f"{label}, {precision}, JAX, {where}, {device_bytes / 2**30:.1f} GiB per device")
     print(format_jax_table(estimates, device_bytes=device_bytes))
+    trainable = params if isinstance(params, int) else gpt_jax.num_parameters(shape)
+    steps = None if args.params is not None or not isinstance(config.micro_batch_size, int) else (
+        max(1, config.global_batch_size // (devices * config.micro_batch_size)))
+    if devices > 1:  # the JAX strategies' reduction (accumix.jax.wire), one device's payload
+        from accumix.precision.reduce_dtype import reduction_bytes
+
+        once = reduction_bytes(trainable, reduce_dtype) / 2**20
+        each = f"{steps} x that" if steps else "K x that"
+        print(f"gradient reduction in {reduce_dtype}: {once:,.1f} MiB per device per optimizer "
+              f"step (every strategy once after the window; fsdp-sync's and hsdp's "
+              f"reduce-scatter every micro-step: {each})")
     print(f"auto: {reason}")
     return 0
 
@@ -259,23 +316,32 @@ def _probe_jax_recipe(config: Any, optimizer: Any) -> int:
     return micro // acc.local_devices
 
 
-def _probe_recipe(config: object) -> int:
+def _probe_recipe(config: object, world: int) -> int:
     """``micro_batch_size=auto``: probes the recipe's model on this process's device as the
-    training run does (one process here; collective under ``accumix launch``), logging the same
-    line, and writes nothing to the run directory."""
+    training run does on each of ``world`` ranks: one process here, over this rank's share of the
+    global batch (its candidates are the divisors of global / world); logs and prints the line
+    the run would, for the world; writes nothing to the run directory. A sharding strategy is
+    probed unsharded here (one process), which errs on the safe side."""
+    import dataclasses
+
     import accumix as ax
+    from accumix.common.micro_batch_search import candidates
     from accumix.recipes import default
     from accumix.recipes.gpt import GPT
 
     assert isinstance(config, default.TrainConfig)
+    global_batch = config.global_batch_size
+    candidates(global_batch, world)  # a global batch the ranks do not divide: one line
     acc = ax.Accelerator(strategy=config.strategy, precision=config.precision,
-                         global_batch_size=config.global_batch_size, micro_batch_size="auto",
+                         global_batch_size=global_batch // world, micro_batch_size="auto",
                          memory_limit=config.memory_limit, seed=config.seed)
     model = GPT(config.model)
     _, _, micro = default.choose_micro_batch(acc, config, model,
                                              default.new_optimizer(config, model), cache=False)
     choice = acc.micro_batch_choice
     assert choice is not None
+    choice = dataclasses.replace(choice, dp_world_size=world, global_batch_size=global_batch,
+                                 grad_accum_steps=global_batch // (world * micro))
     print(choice.describe())  # the command's output (the log line goes to stderr)
     acc.end()
     return micro

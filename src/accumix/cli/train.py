@@ -79,7 +79,9 @@ def run_train(args: argparse.Namespace) -> int:
         die_with_launcher()  # the JAX backend's ranks too (the torch Accelerator starts it)
         return run(config)
     plan = plan_launch(nproc=config.nproc)
-    if config.strategy == "hsdp":  # a degenerate mesh is one line here, not one per rank
+    # A degenerate mesh is one line here, not one per rank. (JAX's hsdp counts processes as
+    # nodes and each process's devices as a node's: its Accelerator checks that mesh.)
+    if config.strategy == "hsdp" and config.backend != "jax":
         from accumix.common.launch_env import LaunchEnv
         from accumix.strategies.node_groups import mesh_shape
 

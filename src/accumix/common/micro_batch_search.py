@@ -12,6 +12,7 @@ so K is an integer and the global batch stays exactly what the user gave.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,8 +95,10 @@ def parse_memory_limit(memory_limit: int | float | str | None, *,
                               "does not report; give bytes instead")
         return int(device_total * percent / 100)
     # numbers.Real: a numpy integer or float (from a config computed with numpy) is a number.
+    # An infinite or NaN limit has no bytes (int() of it raised OverflowError/ValueError).
     if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real) \
-            or memory_limit <= 0 or memory_limit != int(memory_limit):
+            or not math.isfinite(memory_limit) or memory_limit <= 0 \
+            or memory_limit != int(memory_limit):
         raise ConfigError(f"memory_limit={memory_limit!r} is invalid; use bytes (an integer > 0) "
                           "or a percentage such as '90%'")
     limit = int(memory_limit)
@@ -119,17 +122,32 @@ def fits_with_headroom(peak_bytes: int, limit_bytes: int, headroom: float) -> bo
     return peak_bytes <= limit_bytes * (1.0 - headroom)
 
 
-def largest_fitting(sizes: list[int], fits: Callable[[int], bool]) -> tuple[int | None, int]:
+def largest_fitting(sizes: list[int], fits: Callable[[int], bool], *, top_alone: bool = False
+                    ) -> tuple[int | None, int]:
     """The largest of ``sizes`` (ascending) for which ``fits`` holds, by bisection.
 
     Memory grows with the micro-batch, so "fits" is monotone and bisection needs about
     log2(len(sizes)) probes. ``fits`` must already be agreed across ranks: then every rank
     probes the same sizes in the same order and their collectives match.
 
+    Args:
+        sizes: the candidates, ascending.
+        fits: whether a size fits (agreed across ranks).
+        top_alone: the largest size is tried first, on its own, and bisection runs over the
+            others only if it does not fit: it is the size with K = 1, whose window holds no
+            gradient accumulator through a forward, so it may fit where smaller sizes do not
+            (a model whose parameters, not activations, fill the memory).
+
     Returns:
         (the size or None when not even the smallest fits, the number of probes made).
     """
-    lo, hi, best, probes = 0, len(sizes) - 1, None, 0
+    probes = 0
+    if top_alone and sizes:
+        probes += 1
+        if fits(sizes[-1]):
+            return sizes[-1], probes
+        sizes = sizes[:-1]
+    lo, hi, best = 0, len(sizes) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
         probes += 1

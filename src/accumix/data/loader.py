@@ -72,19 +72,31 @@ def _rebuild(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
 
 def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
     """The user's loader with another batch size: the same dataset, sampler (so shuffle and its
-    generator), collate_fn, workers and every other setting (``micro_batch_size="auto"``).
+    generator), collate_fn, workers and every other setting (``micro_batch_size="auto"``); an
+    IterableDataset's stream is grouped into batches of the new size.
 
     Raises:
-        ConfigError: a loader with a custom batch_sampler, which has no batch size to change.
+        ConfigError: a loader with a custom batch_sampler, or over an IterableDataset that
+            batches itself: no batch size to change.
     """
+    if loader.batch_size is None and isinstance(loader.dataset, IterableDataset):
+        raise ConfigError(f"micro_batch_size='auto' re-batches the DataLoader but its "
+                          f"{type(loader.dataset).__name__} yields batches itself "
+                          "(batch_size=None); yield samples and pass batch_size=, or give "
+                          "micro_batch_size=N")
     if loader.batch_size is None:
         raise ConfigError(f"micro_batch_size='auto' re-batches the DataLoader but it has a "
                           f"custom batch_sampler ({type(loader.batch_sampler).__name__}); pass "
                           "batch_size= and shuffle= instead")
     if loader.batch_size == batch_size:
         return loader
-    return DataLoader(loader.dataset, **_loader_kwargs(
-        loader, sampler=loader.sampler, collate_fn=loader.collate_fn, batch_size=batch_size))
+    kwargs = _loader_kwargs(loader, sampler=loader.sampler, collate_fn=loader.collate_fn,
+                            batch_size=batch_size)
+    if isinstance(loader.dataset, IterableDataset):
+        # Its samples come in the dataset's own order: torch refuses any sampler option (the
+        # loader's is an internal placeholder); the re-batched loader groups them anew.
+        del kwargs["sampler"]
+    return DataLoader(loader.dataset, **kwargs)
 
 
 def _loader_kwargs(loader: DataLoader, *, sampler: Any, collate_fn: Any, batch_size: int | None
@@ -153,6 +165,7 @@ class AcceleratedDataLoader:
         # The interrupted run's persistent worker iterator existed: its epochs drew no seed.
         self._seeded_before = False
         self._unresumable = ""  # why a mid-epoch position cannot be continued, if it cannot
+        self._yielded: tuple[int, int | None] = (0, None)  # id of the last batch, its rows
         if isinstance(loader.dataset, IterableDataset):
             self.loader = loader  # the user shards an iterable dataset; we cannot
             self._unresumable = f"an IterableDataset ({type(loader.dataset).__name__})"
@@ -218,6 +231,7 @@ class AcceleratedDataLoader:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start_index = skip * (self.loader.batch_size or 1)
         self.position = skip
+        remaining = self._samples_this_epoch()  # read before the sampler starts (and resets)
         seeded, self._seeded_before = (self._seeded_before
                                        and getattr(self.loader, "_iterator", None) is None), False
         if skip or seeded:
@@ -249,7 +263,15 @@ class AcceleratedDataLoader:
             self.position += 1
             self._epoch_done = is_last
             self._on_batch(is_last)
-            yield move_to_device(batch, self.device, self._non_blocking) if self._move else batch
+            out = move_to_device(batch, self.device, self._non_blocking) if self._move else batch
+            rows = self.loader.batch_size
+            if rows is not None and remaining is not None:
+                rows = min(rows, remaining)
+                remaining -= rows
+            elif is_last:  # an IterableDataset's last batch may be short
+                rows = None
+            self._yielded = (id(out), rows)
+            yield out
             if is_last:
                 # The last batch is used: the hook runs before the user's next iter() draws
                 # the next epoch's seed (a save there would miss that draw on resume).
@@ -257,6 +279,20 @@ class AcceleratedDataLoader:
                     self._between_batches()
                 return
             batch = upcoming
+
+    def rows_of(self, batch: Any) -> int | None:
+        """The samples in ``batch`` if it is the batch this loader yielded last (what
+        ``acc.run_micro_batch`` reads a list of samples by), else None."""
+        batch_id, rows = self._yielded
+        return rows if batch_id == id(batch) else None
+
+    def _samples_this_epoch(self) -> int | None:
+        if self.loader.batch_size is None or isinstance(self._dataset, IterableDataset):
+            return None
+        try:
+            return len(self.loader.sampler)
+        except TypeError:  # a sampler without a length
+            return None
 
     def state_dict(self) -> dict[str, int]:
         """Where the next ``iter()`` continues: an epoch and the batches of it already used.

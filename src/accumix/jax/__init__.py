@@ -17,6 +17,7 @@ from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.jax.accelerator import Accelerator, TrainStep
 from accumix.jax.checkpoint import CheckpointError
 from accumix.jax.data import Window
+from accumix.jax.hsdp import HSDPStrategy
 from accumix.jax.loss_output import Loss
 from accumix.jax.loss_scale import LossScaleState
 from accumix.jax.precision import JaxPolicy
@@ -38,6 +39,7 @@ __all__ = [
     "DDPStrategy",
     "DynamicLossScale",
     "FSDPStrategy",
+    "HSDPStrategy",
     "JaxPolicy",
     "JaxStrategy",
     "Loss",

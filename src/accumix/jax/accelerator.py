@@ -41,12 +41,13 @@ from accumix.jax.data import Window, WindowLoader, make_window
 from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.memory import agreed_free_bytes, choose_auto
 from accumix.jax.micro_batch import device_total_bytes, find, rebatched
-from accumix.jax.precision import resolve_jax_policy
+from accumix.jax.precision import effective_dtypes, resolve_jax_policy, with_reduce_dtype
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
 from accumix.jax.step_calls import EvalStep, TrainStep
 from accumix.jax.strategies import JaxStrategy, resolve_jax_strategy
 from accumix.precision.loss_scale import DynamicLossScale, check_loss_scale_use
+from accumix.precision.reduce_dtype import EffectiveDtypes
 from accumix.runtime.logging_setup import configure_logging
 
 log = logging.getLogger("accumix")
@@ -56,8 +57,9 @@ class Accelerator:
     """Runs one jitted training step per window on one device, many devices or many processes.
 
     Args:
-        strategy: ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"`` or ``"auto"`` (the memory
-            model's choice at setup); ``"deepspeed"`` is a ConfigError.
+        strategy: ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"``, ``"hsdp"`` (replicas: the
+            processes) or ``"auto"`` (the memory model's choice at setup); ``"deepspeed"`` is
+            a ConfigError.
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"bf16-true"``, ``"auto"``.
         grad_accum_steps: micro-steps per optimizer step (K); None derives it from the two batch
             sizes, else 1.
@@ -70,6 +72,10 @@ class Accelerator:
         loss_scale: an ``ax.DynamicLossScale`` for fp16; None uses its defaults.
         seed: the PRNG key's seed (and python's, numpy's, torch's if loaded), the same on every
             process.
+        reduce_dtype: what gradients travel in between devices, on every strategy: ``"fp32"``
+            (None: the default), ``"bf16"`` or ``"fp16"`` (``fp16-mixed`` only). The window is
+            summed in float32 and cast only for its reduction (``accumix.jax.wire``);
+            ``acc.effective_dtypes`` states what runs.
 
     Raises:
         ConfigError: an unknown word, ``"deepspeed"``, or batch sizes that do not divide.
@@ -85,6 +91,7 @@ class Accelerator:
         loss_scale: DynamicLossScale | None = None,
         seed: int = 0,
         memory_limit: int | str | None = None,
+        reduce_dtype: Any = None,
     ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"seed={seed!r} is invalid; use an integer")
@@ -92,7 +99,9 @@ class Accelerator:
         configure_logging(jax.process_index())
         self._strategy_word = strategy
         self._strategy = resolve_jax_strategy(strategy)
-        self.policy = resolve_jax_policy(precision, jax.devices()[0].platform)
+        self.policy = with_reduce_dtype(resolve_jax_policy(precision, jax.devices()[0].platform),
+                                        reduce_dtype)
+        self._connect()
         check_loss_scale_use(loss_scale, precision=precision, chosen=self.policy.name,
                              scales=self.policy.needs_loss_scaling)
         self.scaler = LossScaleRule(
@@ -112,7 +121,8 @@ class Accelerator:
         self._loader: WindowLoader | None = None
         self._micro_batch_choice: MicroBatchChoice | None = None
         self._check_same_config((self.policy.name, self._batch_sizes, seed,
-                                 None if loss_scale is None else repr(loss_scale)))
+                                 None if loss_scale is None else repr(loss_scale),
+                                 jax.numpy.dtype(self.policy.reduce_dtype).name))
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -141,6 +151,19 @@ class Accelerator:
             raise ConfigError("strategy='auto' is chosen at acc.setup(params, optimizer); "
                               "call setup first")
         return self._strategy
+
+    @property
+    def effective_dtypes(self) -> EffectiveDtypes:
+        """The dtypes the run really uses: params, compute, gradient accumulation (float32),
+        the reduction (and how often it runs), the optimizer's masters (logged at setup)."""
+        wire = self.strategy.wire
+        return effective_dtypes(self.policy, reduction=wire.dtype if wire.devices > 1 else
+                                "none", reductions=self.strategy.reductions())
+
+    def _connect(self) -> None:
+        """Hands the chosen strategy the reduce dtype (once it is known: ``auto`` at setup)."""
+        if self._strategy is not None:
+            self._strategy.connect(jax.numpy.dtype(self.policy.reduce_dtype).name)
 
     @property
     def global_batch_size(self) -> int | None:
@@ -217,7 +240,8 @@ class Accelerator:
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self, params: Any, optimizer: optax.GradientTransformation,
-              loader: Any = None) -> TrainState | tuple[TrainState, WindowLoader]:
+              loader: Any = None, *, loss_fn: LossFn | None = None,
+              batch: Any = None) -> TrainState | tuple[TrainState, WindowLoader]:
         """Places ``params`` and a fresh optimizer state on the mesh, per the strategy.
 
         Args:
@@ -225,13 +249,20 @@ class Accelerator:
             optimizer: an optax ``GradientTransformation``.
             loader: a torch ``DataLoader`` (optional): returned as windows of K batches,
                 sharded over processes, resumable mid-epoch.
+            loss_fn: with ``batch``, for ``strategy="auto"``: each candidate's window step
+                for this ``loss_fn`` is compiled (never run) and sized with its activations,
+                the numbers ``accumix estimate-memory`` prints; without them ``auto`` sizes
+                the params and optimizer state alone.
+            batch: one micro-batch of this process's rows (a pytree of arrays or
+                ``jax.ShapeDtypeStruct``), as ``acc.window`` takes them.
 
         Returns:
             The ``TrainState``, or ``(state, window_loader)`` when a loader is given.
 
         Raises:
             ConfigError: an optimizer that is not optax's, params without arrays, a loader
-                that is not a torch DataLoader.
+                that is not a torch DataLoader, ``loss_fn`` without ``batch`` (or the other
+                way round), a batch the local devices do not divide.
         """
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise ConfigError(f"optimizer {type(optimizer).__name__} is not an optax "
@@ -241,9 +272,22 @@ class Accelerator:
             raise ConfigError("params must be a pytree of arrays (numpy or jax)")
         if self._strategy is None or jax.process_count() > 1:
             free = agreed_free_bytes()  # a collective: every process joins, "auto" or not
+        if (loss_fn is None) != (batch is None):
+            raise ConfigError("acc.setup(loss_fn=, batch=) go together: pass both (one "
+                              "micro-batch of this process's rows) or neither")
         if self._strategy is None:  # every process the same: from the minimum free memory
+            sized = None
+            if loss_fn is not None:  # each row from its compiled window step for loss_fn
+                from accumix.jax.compiled_memory import sizing
+
+                steps = self._grad_accum_steps or (self._derive_steps(loader.batch_size)
+                                                   if getattr(loader, "batch_size", None)
+                                                   else self.grad_accum_steps)
+                sized = sizing(loss_fn, params, optimizer, batch, grad_accum_steps=steps,
+                               precision=self.policy.name)
             self._strategy = choose_auto(params, optimizer, precision=self.policy.name,
-                                         free_bytes=free)
+                                         free_bytes=free, sized=sized)
+        self._connect()
         self._check_same_config((repr(self._strategy),))  # the choice, not the word "auto"
         self._optimizer = optimizer
         strategy = self.strategy
@@ -263,9 +307,9 @@ class Accelerator:
         state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale, step=step,
                            rng=rng)
         self._shardings = jax.tree.map(lambda x: x.sharding, state)
-        log.info("accumix.jax: strategy %s on %d devices (%d processes), precision %s, K=%s",
-                 strategy.name, strategy.num_devices, jax.process_count(), self.policy.name,
-                 self._grad_accum_steps)
+        log.info("accumix.jax: strategy %s on %d devices (%d processes), precision %s, K=%s; "
+                 "%s", strategy.name, strategy.num_devices, jax.process_count(),
+                 self.policy.name, self._grad_accum_steps, self.effective_dtypes.describe())
         if loader is None:
             return state
         return state, self._wrap_loader(loader)

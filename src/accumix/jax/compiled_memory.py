@@ -16,21 +16,29 @@ elsewhere the one-device step's figure serves every row.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from accumix.errors import ConfigError
 from accumix.jax import trainable
-from accumix.jax.data import Window
+from accumix.jax.data import Window, canonical
 from accumix.jax.loss_scale import LossScaleRule
-from accumix.jax.memory import estimate_jax_memory
+from accumix.jax.memory import (
+    JaxMemoryEstimate,
+    estimate_jax_memory,
+    row_of,
+    strategy_of_row,
+)
 from accumix.jax.precision import resolve_jax_policy
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_step
-from accumix.jax.strategies import AXIS, JaxStrategy, SingleStrategy
+from accumix.jax.strategies import JaxStrategy, SingleStrategy
 from accumix.precision.loss_scale import DynamicLossScale
 
 
@@ -74,46 +82,83 @@ def compiled_step_stats(loss_fn: LossFn, params: Any, optimizer: Any, micro_batc
     devices, k = strategy.num_devices, grad_accum_steps
     rows = jax.tree.map(lambda x: _struct(x), micro_batch)
     batch = jax.tree.map(lambda x: placed(jax.ShapeDtypeStruct(
-        (k, x.shape[0] * devices, *x.shape[1:]), x.dtype), P(None, AXIS)), rows)
+        (k, x.shape[0] * devices, *x.shape[1:]), x.dtype), strategy.rows_spec(1)), rows)
     window = Window(batch=batch, mask=placed(jax.ShapeDtypeStruct((k,), np.bool_), P()),
                     device_mask=placed(jax.ShapeDtypeStruct((k, devices), np.bool_),
-                                       P(None, AXIS)))
+                                       strategy.rows_spec(1)))
     jitted = build_step(loss_fn, optimizer=optimizer, strategy=strategy, policy=policy,
                         scaler=scaler, grad_accum_steps=k, clip_norm=clip_norm,
                         state_shardings=shardings)
     return jitted.lower(state, window).compile().memory_analysis()
 
 
-def measured_activation_bytes(loss_fn: LossFn, params: Any, optimizer: Any, micro_batch: Any,
-                              *, grad_accum_steps: int, precision: str,
-                              clip_norm: float | None = None,
-                              strategy: JaxStrategy | None = None) -> int:
-    """Activations per device from the compiled step of ``strategy`` (default: one device; see
-    the module doc): its arguments + temporaries less what ``estimate_jax_memory`` counts for
-    that strategy's row (never below 0)."""
+def measured_estimate(loss_fn: LossFn, params: Any, optimizer: Any, micro_batch: Any, *,
+                      grad_accum_steps: int, precision: str, clip_norm: float | None = None,
+                      strategy: JaxStrategy | None = None) -> JaxMemoryEstimate:
+    """``strategy``'s row of the JAX memory model with the window and the activations of its
+    compiled step (default: one device; see the module doc): arguments + temporaries of that
+    step less what ``estimate_jax_memory`` counts for the row, never below 0. Its total is
+    the compiled step's bytes (or the model's, where the model counts more)."""
     strategy = strategy or SingleStrategy()
     stats = compiled_step_stats(loss_fn, params, optimizer, micro_batch,
                                 grad_accum_steps=grad_accum_steps, precision=precision,
                                 clip_norm=clip_norm, strategy=strategy)
     devices = strategy.num_devices
     window = devices * grad_accum_steps * sum(_nbytes(x) for x in jax.tree.leaves(micro_batch))
+    row = row_of(strategy)
     rows = estimate_jax_memory(params, optimizer, num_devices=devices, precision=precision,
-                               platform=jax.devices()[0].platform, window_bytes=window)
-    row = "fsdp-sync" if getattr(strategy, "sync_each_microstep", False) else strategy.name
+                               platform=jax.devices()[0].platform, window_bytes=window,
+                               replicas=int(strategy.mesh.shape.get("replica", 1)))
     model = next(e for e in rows if e.strategy == row)
     measured = int(stats.argument_size_in_bytes + stats.temp_size_in_bytes)
-    return max(0, measured - model.total_bytes)
+    return dataclasses.replace(
+        model, other_bytes=model.other_bytes + max(0, measured - model.total_bytes))
+
+
+def measured_activation_bytes(loss_fn: LossFn, params: Any, optimizer: Any, micro_batch: Any,
+                              *, grad_accum_steps: int, precision: str,
+                              clip_norm: float | None = None,
+                              strategy: JaxStrategy | None = None) -> int:
+    """Activations per device from the compiled step of ``strategy`` (``measured_estimate``'s
+    activations alone)."""
+    strategy = strategy or SingleStrategy()
+    sized = measured_estimate(loss_fn, params, optimizer, micro_batch,
+                              grad_accum_steps=grad_accum_steps, precision=precision,
+                              clip_norm=clip_norm, strategy=strategy)
+    devices = strategy.num_devices
+    window = devices * grad_accum_steps * sum(_nbytes(x) for x in jax.tree.leaves(micro_batch))
+    return sized.other_bytes - window // devices
+
+
+def sizing(loss_fn: LossFn, params: Any, optimizer: Any, batch: Any, *, grad_accum_steps: int,
+           precision: str) -> Callable[[str], JaxMemoryEstimate]:
+    """``strategy="auto"``'s sizing of a row (``memory.choose_auto``): ``measured_estimate`` of
+    that strategy on every device, for ``batch`` (one micro-batch of this process's rows)
+    split over this process's devices.
+
+    Raises:
+        ConfigError: a batch leaf whose rows the local devices do not divide.
+    """
+    local = jax.local_device_count()
+
+    def per_device(x: Any) -> jax.ShapeDtypeStruct:
+        shape = tuple(np.shape(x))
+        if not shape or shape[0] % local:
+            raise ConfigError(f"a batch leaf of shape {shape} cannot be split over this "
+                              f"process's {local} devices; pass one micro-batch whose rows "
+                              f"{local} divides")
+        dtype = x.dtype if isinstance(x, jax.ShapeDtypeStruct) else canonical(x).dtype
+        return jax.ShapeDtypeStruct((shape[0] // local, *shape[1:]), dtype)
+
+    micro = jax.tree.map(per_device, batch)
+    return lambda row: measured_estimate(loss_fn, params, optimizer, micro,
+                                         grad_accum_steps=grad_accum_steps,
+                                         precision=precision, strategy=strategy_of_row(row))
 
 
 def strategy_for_row(row: str, devices: list[Any]) -> JaxStrategy:
     """The strategy of one of ``JAX_STRATEGIES``' rows on ``devices`` (``single``: the first)."""
-    from accumix.jax.strategies import DDPStrategy, FSDPStrategy, ZeRO1Strategy
-
-    if row == "single":
-        return SingleStrategy(devices[:1])
-    if row == "fsdp-sync":
-        return FSDPStrategy(devices, sync_each_microstep=True)
-    return {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp": FSDPStrategy}[row](devices)
+    return strategy_of_row(row, devices)
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
-from accumix.jax.strategies import AXIS, JaxStrategy
+from accumix.jax.strategies import JaxStrategy
 
 log = logging.getLogger("accumix")
 
@@ -84,7 +84,7 @@ def make_window(micro_batches: list[Any], *, grad_accum_steps: int, strategy: Ja
         parts += [np.zeros_like(arr0)] * (grad_accum_steps - k)  # masked: never used
         stacked.append(np.stack(parts))
     mask = np.arange(grad_accum_steps) < k
-    rows = strategy.sharding(P(None, AXIS))
+    rows = strategy.sharding(strategy.rows_spec(1))
     arrays = [jax.make_array_from_process_local_data(rows, a) for a in stacked]
     # One column per device: each process marks its own micro-steps, so processes that pass
     # windows of different lengths (the end of an uneven stream) are each masked right.

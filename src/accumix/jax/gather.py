@@ -20,11 +20,17 @@ leaf's gradient where the strategy accumulates it (the custom VJP below), whatev
 forward's dtype. Only float and complex leaves pass through here (``accumix.jax.trainable``):
 
     mode                     tap shape    the gather's backward
-    default                  full leaf    acc(g)                     (reduce-scatter once a window)
+    default                  full leaf    acc(g) * weight            (reduce-scatter once a window)
     sync_each_microstep      shard        psum_scatter(acc(g) * weight)         (each micro-step)
 
+The tap's value is the accumulator itself (nothing in the forward reads it): the step takes the
+taps' cotangent as the new accumulator (``into_accumulators`` adds the old one; a scan over
+stacked layers adds each iteration's gradient into it in place, ``scan_accumulate``).
+
 ``weight`` is the device's own factor of fp16 item mode (its micro-batch's item count, by which
-its scaled gradient was divided): it must multiply before devices are summed.
+its scaled gradient was divided): it must multiply before devices are summed. A device whose
+micro-step is padding still runs this backward (its peers' reduce-scatters need it) with a
+zero loss seed: its ``g`` is exactly 0 (``accumix.jax.step``).
 """
 
 from __future__ import annotations
@@ -35,49 +41,85 @@ import jax
 import jax.numpy as jnp
 
 from accumix.jax.trainable import accum_dtype
+from accumix.jax.wire import FLOAT32, Wire
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def gather_at_use(shard: jax.Array, tap: jax.Array, weight: jax.Array, axis: str,
-                  dim: int | None, scatter: bool) -> jax.Array:
+                  dim: int | None, scatter: bool, wire: Wire = FLOAT32) -> jax.Array:
     """The full leaf from this device's ``shard`` (identity for a replicated leaf).
 
     Differentiate with respect to ``tap`` (the accumulator's shape and dtype): its cotangent is
-    the leaf's gradient, reduce-scattered when ``scatter``.
+    the leaf's gradient, reduce-scattered when ``scatter`` (in ``wire``'s dtype).
     """
-    del tap, weight
+    del tap, weight, wire
     if dim is None:
         return shard
-    return jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
+    return gather_leading(shard, axis, dim)
 
 
 def _gather_fwd(shard: jax.Array, tap: jax.Array, weight: jax.Array, axis: str,
-                dim: int | None, scatter: bool) -> tuple[jax.Array, jax.Array]:
+                dim: int | None, scatter: bool, wire: Wire) -> tuple[jax.Array, jax.Array]:
     if dim is None:
         return shard, weight
-    return jax.lax.all_gather(shard, axis, axis=dim, tiled=True), weight
+    return gather_leading(shard, axis, dim), weight
 
 
-def _gather_bwd(axis: str, dim: int | None, scatter: bool, weight: jax.Array,
+def _gather_bwd(axis: str, dim: int | None, scatter: bool, wire: Wire, weight: jax.Array,
                 g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     shape = list(g.shape)
     if dim is not None:
         shape[dim] //= jax.lax.axis_size(axis)
     zero_shard = jnp.zeros(shape, g.dtype)  # the shard is not differentiated: the tap is
-    return zero_shard, route(g, weight, axis, dim, scatter), jnp.zeros_like(weight)
+    return zero_shard, route(g, weight, axis, dim, scatter, wire), jnp.zeros_like(weight)
+
+
+def gather_leading(shard: jax.Array, axis: str, dim: int) -> jax.Array:
+    """``all_gather(shard, axis, dim, tiled)`` gathered on the leading dimension: XLA's CPU
+    all-gather wants the gathered dimension outermost and otherwise copies every such shard
+    into that layout before the micro-step loop (a copy of those shards alive for the whole
+    window); the transpose here is one use's, inside the loop."""
+    if dim == 0:
+        return jax.lax.all_gather(shard, axis, axis=0, tiled=True)
+    moved = jax.lax.all_gather(jnp.moveaxis(shard, dim, 0), axis, axis=0, tiled=True)
+    return jnp.moveaxis(moved, 0, dim)
 
 
 def route(g: jax.Array, weight: jax.Array, axis: str, dim: int | None,
-          scatter: bool) -> jax.Array:
+          scatter: bool, wire: Wire = FLOAT32) -> jax.Array:
     """A gathered leaf's cotangent ``g`` as its accumulator tap takes it: in the tap's dtype
-    (float32, complex for complex leaves), reduce-scattered (times ``weight``) when
-    ``scatter``."""
-    g = g.astype(accum_dtype(g.dtype))
+    (float32, complex for complex leaves), times ``weight``, reduce-scattered over ``axis``
+    when ``scatter``: in ``wire``'s dtype, its share divided by the devices first, back in the
+    tap's dtype after (``accumix.jax.wire``; the step multiplies once, after the window)."""
+    g = g.astype(accum_dtype(g.dtype)) * weight
     if scatter and dim is not None:
-        g = jax.lax.psum_scatter(g * weight, axis, scatter_dimension=dim, tiled=True)
-    elif scatter:  # a replicated leaf: summed over devices after the scan, like the others
-        g = g * weight
+        g = wire.receive(jax.lax.psum_scatter(wire.send(g), axis, scatter_dimension=dim,
+                                              tiled=True), g)
     return g
+
+
+@jax.custom_vjp
+def into_accumulators(loss: jax.Array, taps: list[jax.Array]) -> jax.Array:
+    """``loss``, unchanged; in the backward, each tap's cotangent receives the tap's value.
+
+    The taps hold the accumulators (fsdp): with this, a tap's cotangent is its accumulator
+    plus the micro-step's gradient, added where the backward yields it, so the micro-step's
+    result is the new accumulator. (A cotangent channel, not a derivative: ``loss`` is the
+    objective whose gradient is taken, with a unit seed.)
+    """
+    del taps
+    return loss
+
+
+def _into_fwd(loss: jax.Array, taps: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+    return loss, taps
+
+
+def _into_bwd(taps: list[jax.Array], g: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    return g, list(taps)
+
+
+into_accumulators.defvjp(_into_fwd, _into_bwd)
 
 
 gather_at_use.defvjp(_gather_fwd, _gather_bwd)

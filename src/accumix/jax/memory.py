@@ -16,7 +16,7 @@ leaf's elements and s(n) its shard:
     compute copy    c*n            c*n            c*s(n)              c*s(n)     (mixed only)
     gathered        0              0              see (b)             see (b)
     shard in use    0              0              4*max(s) fp32 only  4*max(s)
-    saved shards    0              0              c*s(n) (c)          c*s(n) (c)
+    16-bit shards   0              0              0                   c*s(n) (c)
     fp16 skip       0              opt/D          opt/D               4*s(n)     (fp16-mixed only)
     carried         b*m            b*m            b*s(m) + b*m        b*s(m) + b*m
     + the window's bytes on the device + activations (the caller's, or the compiled step's:
@@ -29,8 +29,9 @@ against ``memory_analysis()`` with ``tests/scripts/jax_fsdp_memory.py`` (2 and 8
 4 devices, every precision) and read off XLA's buffer assignment (``--xla_dump_to``):
 
 (a) in flight: one leaf's float32 gradient before it joins its accumulator. fsdp: always (on
-    its way to the reduce-scatter); single/ddp: bf16-true only (its bf16 gradient cast); under a
-    mixed policy the cast fuses with the accumulate (measured, within 1% without it).
+    its way to the reduce-scatter); ddp: bf16-true only (its bf16 gradient cast; single's fuses
+    with the accumulate since its masked add, issue 30); under a mixed policy the cast fuses
+    with the accumulate (measured, within 1% without it).
 (b) gathered: ``accumix.jax.per_use`` gathers each leaf at each use and re-gathers it in that
     use's backward, so one leaf's gathered copy (the largest sharded leaf) is alive at a time.
     fp32 (and fp16-mixed with sync_each_microstep, whose skip keeps both): (g+c')*max(n)
@@ -39,9 +40,10 @@ against ``memory_analysis()`` with ``tests/scripts/jax_fsdp_memory.py`` (2 and 8
     shares the in-flight gradient's buffer.
     A lone sharded leaf: its gathered copy and its gradient share one buffer (its use's
     backward re-gathers nothing beside the gradient): (b) less the in-flight term, at least 0.
-(c) saved shards (bf16-mixed, bf16-true; measured, 2 bytes per shard element per layer):
-    each use saves the 16-bit shard its backward re-gathers from, alive until that backward.
-    fp16-mixed's peak is the update (the skip select below), where these are dead.
+(c) 16-bit shards (bf16-mixed, bf16-true; measured, 2 bytes per shard element): with
+    sync_each_microstep. Each use saves for its backward the shard it was given (the compute
+    copy, counted), not the copy computed after the layer's activation: before issue 30 the
+    default mode held these too (one per leaf, alive until its backward).
 shard in use: one float32 shard of the largest leaf. fp32: the gather's input, a copy of the
 shard that ``per_use`` computes after the layer's activation (16-bit: the c-byte cast, which
 XLA put in a donated argument's buffer in every measured job); sync_each_microstep: the
@@ -58,7 +60,7 @@ shard at rest plus the plain gather of sharded ones).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +82,11 @@ from accumix.jax.strategies import (
 log = logging.getLogger("accumix")
 
 JAX_STRATEGIES = ("single", "ddp", "zero1", "fsdp", "fsdp-sync")
+# With several nodes (``replicas``): hsdp is fsdp over one node's S devices, replicated across
+# the nodes; its default (a reduce-scatter every micro-step) is sized as fsdp-sync over S,
+# ``defer_reduce_scatter=True`` as fsdp over S. Its cross-node all-reduce runs in place.
+HSDP_ROWS = ("hsdp", "hsdp-defer")
+_AS_FSDP = {"hsdp": "fsdp-sync", "hsdp-defer": "fsdp"}
 _SHARDED_UPDATE = ("zero1", "fsdp", "fsdp-sync")
 _DTYPE_BYTES = {"fp32": (4, 4), "bf16-mixed": (4, 2), "fp16-mixed": (4, 2), "bf16-true": (2, 2)}
 
@@ -114,9 +121,10 @@ class JaxMemoryEstimate:
 def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
                         precision: str = "fp32", platform: str = "cpu",
                         optimizer_states: int = 2, window_bytes: int = 0,
-                        activation_bytes: int | Mapping[str, int] = 0
+                        activation_bytes: int | Mapping[str, int] = 0, replicas: int = 1
                         ) -> list[JaxMemoryEstimate]:
-    """The per-device bytes of every JAX strategy (order of ``JAX_STRATEGIES``).
+    """The per-device bytes of every JAX strategy (order of ``JAX_STRATEGIES``, then
+    ``HSDP_ROWS`` when ``replicas`` > 1).
 
     Args:
         params: the params pytree (arrays or ``jax.ShapeDtypeStruct``), or a parameter count
@@ -131,9 +139,12 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         activation_bytes: activations per device (e.g. from a compiled step,
             ``accumix.jax.compiled_memory``) added to each row, or a mapping of a row's name
             to its own (rows it lacks: 0).
+        replicas: the nodes the devices are spread over (hsdp's replicas); > 1 adds the hsdp
+            rows, fsdp's over ``num_devices / replicas`` devices.
 
     Raises:
-        ConfigError: an unknown precision, or ``num_devices < 1``.
+        ConfigError: an unknown precision, ``num_devices < 1``, or ``replicas`` that do not
+            leave shard groups of 2 devices or more.
     """
     if precision not in _DTYPE_BYTES:
         raise ConfigError(f"unknown precision {precision!r}; use one of {', '.join(_DTYPE_BYTES)}")
@@ -155,9 +166,16 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
     # A bare count has no leaves to size the one in flight by: left out.
     bare = isinstance(params, (int, np.integer))
     largest = 0 if bare or not leaves else max(_size(s) for s in leaves)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or (
+            replicas > 1 and (num_devices % replicas or num_devices // replicas < 2)):
+        raise ConfigError(f"replicas={replicas!r} is invalid with {num_devices} devices; use a "
+                          "number of nodes that leaves 2 or more devices in each")
     out = []
-    for name in JAX_STRATEGIES:
-        d = 1 if name == "single" else num_devices
+    for row in JAX_STRATEGIES + (HSDP_ROWS if replicas > 1 else ()):
+        # hsdp's rows are fsdp's formulas over one node's devices.
+        name = _AS_FSDP.get(row, row)
+        d = 1 if name == "single" else num_devices // replicas if row in HSDP_ROWS else (
+            num_devices)
         full = sum(_size(s) for s in leaves)
         shard = sum(_shard(s, d) for s in leaves)
         # fsdp gathers at each use (accumix.jax.per_use): one leaf's gathered copy at a time.
@@ -174,9 +192,9 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         params_bytes = p * (shard if fsdp else full) + carried_rest
         optimizer_bytes = opt_full if name in ("single", "ddp") else opt_shard
         # One leaf's float32 gradient in flight before it joins its accumulator (measured):
-        # fsdp's, on its way to the reduce-scatter; bf16-true's cast on single/ddp. Under a
-        # mixed policy the cast fuses with the accumulate (single/ddp/zero1: within 1%).
-        in_flight = 4 * largest if (fsdp or (c != 4 and not mixed and name != "zero1")) else 0
+        # fsdp's, on its way to the reduce-scatter; bf16-true's cast on ddp. Under a mixed
+        # policy (and on single) the cast fuses with the accumulate (within 1%).
+        in_flight = 4 * largest if (fsdp or (c != 4 and not mixed and name == "ddp")) else 0
         if name == "fsdp-sync":
             grads = 4 * shard + in_flight
         elif fsdp:  # the window's reduce-scatter writes over the accumulators
@@ -209,54 +227,107 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
             # copy and its gradient share one buffer (no re-gather beside the gradient).
             gathered = max(gathered - in_flight, 0)
         gathered += scattered
-        # 16-bit compute (not fp16-mixed, whose peak is the update's skip select, when these
-        # are dead): each sharded leaf's 16-bit shard that its use saves for the re-gather.
-        saved = c * shard if (fsdp and c != 4 and precision != "fp16-mixed") else 0
+        # Measured, sync_each_microstep under 16-bit compute (not fp16-mixed, whose peak is
+        # the update's skip select): a 16-bit shard per sharded leaf beside the others.
+        saved = c * shard if (name == "fsdp-sync" and c != 4 and precision != "fp16-mixed") else 0
         working = (c * (shard if fsdp else full) if mixed else 0) + (
             gathered + saved if fsdp else 0)
         working += carried_gathered
-        other = window_bytes // d + (activation_bytes.get(name, 0) if isinstance(
-            activation_bytes, Mapping) else activation_bytes)
-        out.append(JaxMemoryEstimate(strategy=name, params_bytes=params_bytes,
+        other = window_bytes // (num_devices if row in HSDP_ROWS else d) + (
+            activation_bytes.get(row, 0) if isinstance(activation_bytes, Mapping)
+            else activation_bytes)
+        out.append(JaxMemoryEstimate(strategy=row, params_bytes=params_bytes,
                                      optimizer_bytes=optimizer_bytes, grads_bytes=grads,
                                      working_bytes=working, other_bytes=other))
     return out
 
 
 def choose_auto(params: Any, optimizer: Any, *, precision: str, headroom: float = 0.8,
-                free_bytes: int | None = None) -> JaxStrategy:
-    """``strategy="auto"``: the least communication whose modelled bytes fit, on every process.
+                free_bytes: int | None = None,
+                sized: Callable[[str], JaxMemoryEstimate] | None = None) -> JaxStrategy:
+    """``strategy="auto"``: the least communication whose bytes fit, on every process.
 
     ddp, zero1, fsdp, fsdp with ``sync_each_microstep`` in that order, against ``headroom`` of
     the smallest free device memory over all processes (``agreed_free_bytes``: every process
     gets the same number, so all choose alike); ``single`` on one device; fsdp with
-    ``sync_each_microstep`` (the least memory) when nothing fits, said in the log.
+    ``sync_each_microstep`` (the least memory) when nothing fits, said in the log. On several
+    processes with several devices each (nodes: the link between them is the slow one), hsdp
+    comes right after ddp (``first_fitting``), as on the torch side.
+
+    Args:
+        sized: a row's estimate with its window and activations (``accumix.jax.compiled_memory.
+            measured_estimate``: from that strategy's compiled step, the numbers
+            ``estimate-memory`` prints), asked for in order until one fits; None: the
+            params and optimizer state alone (``estimate_jax_memory``, no activations).
     """
     devices = jax.devices()
     if len(devices) == 1:
         return SingleStrategy()
     free = agreed_free_bytes() if free_bytes is None else free_bytes
-    estimates = estimate_jax_memory(params, optimizer, num_devices=len(devices),
-                                    precision=precision, platform=devices[0].platform)
-    name, reason = pick_strategy(estimates, device_bytes=free, headroom=headroom)
-    log.info("strategy='auto' chose %s", reason)
-    return {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp": FSDPStrategy}.get(
-        name, lambda: FSDPStrategy(sync_each_microstep=True))()
+    how = "each row from its compiled window step"
+    nodes = jax.process_count()
+    if nodes == 1 or len(devices) % nodes or len(devices) // nodes < 2:
+        nodes = 1  # hsdp needs several processes (nodes) of several devices
+    if sized is None:
+        rows = {e.strategy: e for e in estimate_jax_memory(
+            params, optimizer, num_devices=len(devices), precision=precision,
+            platform=devices[0].platform, replicas=nodes)}
+        sized = rows.__getitem__
+        how = ("params and optimizer state only, no activations: pass acc.setup(..., "
+               "loss_fn=, batch=) to count them")
+    name, reason = first_fitting(sized, device_bytes=free, headroom=headroom, nodes=nodes)
+    log.info("strategy='auto' chose %s (%s)", reason, how)
+    return strategy_of_row(name)
+
+
+def first_fitting(sized: Callable[[str], JaxMemoryEstimate], *, device_bytes: int,
+                  headroom: float = 0.8, nodes: int = 1) -> tuple[str, str]:
+    """The first of ddp, zero1, fsdp, fsdp-sync whose ``sized(row)`` fits ``headroom *
+    device_bytes`` (fsdp-sync when none does; rows after the first that fits are never
+    sized), and a one-line reason. On ``nodes`` > 1: ddp, hsdp-defer, hsdp, zero1, fsdp,
+    fsdp-sync (sharded within a node, a model crosses the nodes once per step with a shard of
+    its gradients; zero1 and fsdp gather across them)."""
+    budget = headroom * device_bytes
+    order: tuple[str, ...] = ("ddp", "zero1", "fsdp", "fsdp-sync")
+    if nodes > 1:
+        order = ("ddp", *HSDP_ROWS[::-1], "zero1", "fsdp", "fsdp-sync")
+    seen: dict[str, JaxMemoryEstimate] = {}
+    for row in order:
+        seen[row] = sized(row)
+        if seen[row].total_bytes <= budget:
+            break
+    name = row
+    verdict = "fits" if seen[name].total_bytes <= budget else "does not fit (nothing does)"
+    reason = (f"{name}: {seen[name].total_bytes / 2**30:.2f} GiB per device {verdict} "
+              f"{headroom:.0%} of {device_bytes / 2**30:.2f} GiB; ddp needs "
+              f"{seen['ddp'].total_bytes / 2**30:.2f} GiB")
+    if name in HSDP_ROWS:
+        reason += (f"; sharded within a node's devices, replicated across the {nodes} nodes: "
+                   "they exchange gradient shards once per step")
+    return name, reason
+
+
+def strategy_of_row(row: str, devices: list[Any] | None = None) -> JaxStrategy:
+    """A fresh strategy for one of ``JAX_STRATEGIES``' rows, on ``devices`` (default: every
+    device of every process; ``single``: the first)."""
+    if row == "fsdp-sync":
+        return FSDPStrategy(devices, sync_each_microstep=True)
+    if row in HSDP_ROWS:  # replicas: the processes (auto offers hsdp only on several)
+        from accumix.jax.hsdp import HSDPStrategy
+
+        return HSDPStrategy(devices, defer_reduce_scatter=row == "hsdp-defer")
+    return {"single": SingleStrategy, "ddp": DDPStrategy, "zero1": ZeRO1Strategy,
+            "fsdp": FSDPStrategy}[row](devices)
 
 
 def pick_strategy(estimates: list[JaxMemoryEstimate], *, device_bytes: int,
-                  headroom: float = 0.8) -> tuple[str, str]:
+                  headroom: float = 0.8, nodes: int = 1) -> tuple[str, str]:
     """The first of ddp, zero1, fsdp, fsdp-sync whose total fits ``headroom * device_bytes``
-    (fsdp-sync when none does), and a one-line reason."""
+    (fsdp-sync when none does; on ``nodes`` > 1 with the hsdp rows, ``first_fitting``'s
+    order), and a one-line reason."""
     by_name = {e.strategy: e for e in estimates}
-    budget = headroom * device_bytes
-    order = ("ddp", "zero1", "fsdp", "fsdp-sync")
-    name = next((n for n in order if by_name[n].total_bytes <= budget), "fsdp-sync")
-    verdict = "fits" if by_name[name].total_bytes <= budget else "does not fit (nothing does)"
-    reason = (f"{name}: {by_name[name].total_bytes / 2**30:.2f} GiB per device {verdict} "
-              f"{headroom:.0%} of {device_bytes / 2**30:.2f} GiB; ddp needs "
-              f"{by_name['ddp'].total_bytes / 2**30:.2f} GiB")
-    return name, reason
+    return first_fitting(by_name.__getitem__, device_bytes=device_bytes, headroom=headroom,
+                         nodes=nodes)
 
 
 def format_jax_table(estimates: list[JaxMemoryEstimate], *, device_bytes: int | None = None,
@@ -337,3 +408,10 @@ def _size(shape: tuple[int, ...]) -> int:
 def _shard(shape: tuple[int, ...], num_devices: int) -> int:
     return _size(shape) // num_devices if shard_dim(shape, num_devices) is not None else (
         _size(shape))
+
+
+def row_of(strategy: JaxStrategy) -> str:
+    """The memory model's row of a strategy object (``"fsdp-sync"``, ``"hsdp-defer"``, ...)."""
+    if strategy.name == "hsdp":
+        return "hsdp-defer" if getattr(strategy, "defer_reduce_scatter", False) else "hsdp"
+    return "fsdp-sync" if getattr(strategy, "sync_each_microstep", False) else strategy.name

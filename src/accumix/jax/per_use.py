@@ -11,9 +11,9 @@ on it: a cast, transpose, reshape, broadcast...) runs inside ``use``, a custom V
 
 Order and liveness come from data dependencies, not from a whole-step rematerialisation:
 the forward gather is computed from the equation's other inputs (the layer's activation;
-``_after``), so XLA cannot issue every gather at the start of the step; the backward re-gather
-is computed from the incoming cotangent, so it runs when that layer's backward does and CSE
-cannot merge it with the forward's gather. (``optimization_barrier`` would say the same, but
+``ordering.after``), so XLA cannot issue every gather at the start of the step; the backward
+re-gather is computed from the incoming cotangent, so it runs when that layer's backward does
+and CSE cannot merge it with the forward's gather. (``optimization_barrier`` would say the same, but
 XLA's CPU pipeline removes barriers before CSE and scheduling.) A re-gather whose backward
 needs no parameter value (``x @ w`` with no cotangent for ``x``, a bias's add) is dropped.
 A parameter used twice (tied embeddings) is gathered at each use; its cotangents sum.
@@ -22,7 +22,10 @@ Per layer: equations at the top level of ``loss_fn`` and inside ``jax.jit``/``cl
 ``jax.checkpoint`` calls (inlined; a user's checkpoint around a block is dropped when a sharded
 parameter flows into it), and inside a ``lax.scan`` over stacked layers: a stacked leaf that
 the scan takes as an ``xs`` (sharded on another axis than the stacking one) is sliced, shard
-and accumulator tap alike, and each slice gathered at its uses in the body, per iteration.
+and accumulator tap alike, and each slice gathered at its uses in the body, per iteration;
+the scan's backward adds each iteration's gradient into its accumulator slice
+(``accumix.jax.scan_accumulate``; the leaves it did so for are ``call_at_use``'s
+``accumulated``).
 Not per layer: a parameter that a scan takes as a constant or carry (or sharded on the
 stacking axis) is gathered whole before the scan (its other, stacked params still per
 iteration; a scan with none is one use, as below); a parameter that a ``while``/``cond`` body
@@ -42,7 +45,10 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from accumix.jax.gather import gather_at_use, route
+from accumix.jax.gather import gather_at_use, gather_leading, route
+from accumix.jax.ordering import after
+from accumix.jax.scan_accumulate import scan_into_accumulators
+from accumix.jax.wire import FLOAT32, Wire
 
 # Unary ops carried along with the parameter to its use (gathered first, then applied).
 CHAIN = frozenset({"convert_element_type", "transpose", "reshape", "broadcast_in_dim",
@@ -70,18 +76,22 @@ class _Param:
 
 
 def call_at_use(fn: Callable[..., Any], params: Any, leaves: dict[int, Leaf], *,
-                weight: jax.Array, axis: str, scatter: bool) -> Any:
+                weight: jax.Array, axis: str, scatter: bool,
+                accumulated: set[int] | None = None, wire: Wire = FLOAT32) -> Any:
     """``fn(params)`` with each sharded leaf gathered at each of its uses.
 
     ``params``: the pytree ``fn`` takes, with ``jax.ShapeDtypeStruct`` (the full leaf's shape)
-    at the flat positions named in ``leaves``; every other leaf is a value.
+    at the flat positions named in ``leaves``; every other leaf is a value. ``accumulated``
+    (a set, filled here): the leaves whose taps hold their accumulators and whose tap
+    cotangent is that accumulator plus their gradient (a scan over stacked layers,
+    ``accumix.jax.scan_accumulate``); None: every tap cotangent is a gradient alone.
     """
     flat, tree = jax.tree.flatten(params)
     avals = [x if i in leaves else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
              for i, x in enumerate(flat)]
     closed, out_shape = jax.make_jaxpr(lambda *xs: fn(jax.tree.unflatten(tree, xs)),
                                        return_shape=True)(*avals)
-    run = _Run(leaves, weight, axis, scatter)
+    run = _Run(leaves, weight, axis, scatter, accumulated, wire)
     args = [_Param(i) if i in leaves else x for i, x in enumerate(flat)]
     outs = run.eval(closed.jaxpr, closed.consts, args)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -106,8 +116,13 @@ class _Run:
     """One evaluation of the traced ``loss_fn``."""
 
     def __init__(self, leaves: dict[int, Leaf], weight: jax.Array, axis: str,
-                 scatter: bool) -> None:
+                 scatter: bool, accumulated: set[int] | None = None,
+                 wire: Wire = FLOAT32) -> None:
         self.leaves, self.weight, self.axis, self.scatter = leaves, weight, axis, scatter
+        self.wire = wire  # what a reduce-scatter in the backward travels in
+        # Where the leaves whose tap cotangent is their accumulator are recorded (the top
+        # level's; None inside a scan body, where nothing is accumulated twice).
+        self.accumulated = accumulated
 
     def eval(self, jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
@@ -162,21 +177,33 @@ class _Run:
         slots = [i for i, x in enumerate(xs) if isinstance(x, _Param)]
         plain = [x for x in xs if not isinstance(x, _Param)]
         stacked = [self.leaves[xs[i].index] for i in slots]
-        sliced = (plain, [(leaf.shard, leaf.tap) for leaf in stacked])
 
-        def step(c: list[Any], row: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
-            plain_row, leaf_rows = row
+        def step(consts: list[Any], c: list[Any], plain_row: list[Any],
+                 shard_rows: list[Any], tap_rows: list[Any]) -> tuple[list[Any], list[Any]]:
             leaves = {k: Leaf(shard, tap, leaf.dim - 1)
-                      for k, ((shard, tap), leaf) in enumerate(zip(leaf_rows, stacked,
-                                                                   strict=True))}
+                      for k, (shard, tap, leaf) in enumerate(zip(shard_rows, tap_rows, stacked,
+                                                                 strict=True))}
             it, args = iter(plain_row), []
             for i in range(len(xs)):
                 args.append(_Param(slots.index(i)) if i in slots else next(it))
-            inner = _Run(leaves, self.weight, self.axis, self.scatter)
+            inner = _Run(leaves, self.weight, self.axis, self.scatter, wire=self.wire)
             outs = inner.eval(body.jaxpr, list(body.consts), [*consts, *c, *args])
             return outs[:ncarry], outs[ncarry:]
 
-        c, ys = jax.lax.scan(step, list(carry), sliced, length=params["length"],
+        indices = {xs[i].index for i in slots}
+        shards, taps = [leaf.shard for leaf in stacked], [leaf.tap for leaf in stacked]
+        if self.accumulated is not None and not indices & self.accumulated:
+            # The stacked leaves' taps hold their accumulators: each iteration's gradient
+            # is added into its slice inside the scan's backward (once per leaf: a second
+            # scan over the same leaf takes JAX's transpose).
+            self.accumulated |= indices
+            c, ys = scan_into_accumulators(
+                step, consts=list(consts), carry=list(carry), plain=plain, shards=shards,
+                taps=taps, length=params["length"], reverse=params["reverse"],
+                unroll=params["unroll"])
+            return [*c, *ys]
+        c, ys = jax.lax.scan(lambda c, row: step(consts, c, *row), list(carry),
+                             (plain, shards, taps), length=params["length"],
                              reverse=params["reverse"], unroll=params["unroll"])
         return [*c, *ys]
 
@@ -184,7 +211,7 @@ class _Run:
         """The whole gathered leaf (a use this module does not see into)."""
         leaf = self.leaves[ref.index]
         full = gather_at_use(leaf.shard, leaf.tap, self.weight, self.axis, leaf.dim,
-                             self.scatter)
+                             self.scatter, self.wire)
         return _apply_chain(ref.chain, full)
 
     def use(self, eqn: Any, ins: list[Any]) -> list[Any]:
@@ -198,8 +225,7 @@ class _Run:
         axis = self.axis
 
         def gather(shards: list[jax.Array]) -> list[jax.Array]:
-            return [jax.lax.all_gather(_apply_chain(r.chain[:n], s), axis, axis=leaf.dim,
-                                       tiled=True)
+            return [gather_leading(_apply_chain(r.chain[:n], s), axis, leaf.dim)
                     for s, r, n, leaf in zip(shards, refs, pres, leaves, strict=True)]
 
         def apply(fulls: list[jax.Array], rest: list[Any]) -> list[Any]:
@@ -220,13 +246,12 @@ class _Run:
         def fwd(shards: list[jax.Array], taps: list[jax.Array], weight: jax.Array,
                 rest: list[Any]) -> tuple[list[Any], tuple[Any, ...]]:
             # Gather no earlier than the layer's activation exists.
-            shards = _after(shards, rest)
-            return apply(gather(shards), rest), (shards, weight, rest)
+            return apply(gather(after(shards, rest)), rest), (shards, weight, rest)
 
         def bwd(res: tuple[Any, ...], g: list[Any]) -> tuple[Any, ...]:
             shards, weight, rest = res
             # Re-gather when this layer's cotangent arrives: not merged with the forward's.
-            fulls = gather(_after(shards, g))
+            fulls = gather(after(shards, g))
             _, vjp = jax.vjp(apply, fulls, rest)
             d_fulls, d_rest = vjp(g)
             d_taps = [self._route(d, s, r.chain[:n], leaf, weight)
@@ -245,7 +270,7 @@ class _Run:
         if pre:  # back through the casts done before the gather (exact, as autodiff would)
             full = jax.ShapeDtypeStruct(d.shape, shard.dtype)
             d = jax.linear_transpose(lambda x: _apply_chain(pre, x), full)(d)[0]
-        return route(d, weight, self.axis, leaf.dim, self.scatter)
+        return route(d, weight, self.axis, leaf.dim, self.scatter, self.wire)
 
 
 def _narrowing_casts(chain: tuple[Any, ...], dtype: Any) -> int:
@@ -257,34 +282,3 @@ def _narrowing_casts(chain: tuple[Any, ...], dtype: Any) -> int:
     if n and jnp.dtype(chain[n - 1].params["new_dtype"]).itemsize < jnp.dtype(dtype).itemsize:
         return n
     return 0
-
-
-def _after(shards: list[jax.Array], anchors: Any) -> list[jax.Array]:
-    """``shards``, unchanged in value, but computed from ``anchors``' largest array.
-
-    A real data dependency, so the gather that follows cannot be issued before the anchor
-    exists nor merged with another gather of the same shard. ``optimization_barrier`` would say
-    the same, but XLA's CPU pipeline removes barriers before CSE and scheduling. The added zero
-    is +0 whatever the anchor holds (an infinite or NaN element, as a masked score has, is
-    selected away; an integer at its minimum is cast before its abs), ``s - (+0)`` is ``s``
-    bit for bit, signed zeros included, and XLA folds neither the product with 0 nor the
-    select.
-    """
-    arrays = [a for a in jax.tree.leaves(anchors) if jnp.size(a) and _numeric(a)]
-    if not arrays:
-        return shards
-    # Cast before abs: an integer's abs overflows at its minimum (abs(int8 -128) is -128),
-    # and a negative v would make the zero -0, turning a -0 parameter into +0.
-    first = jnp.ravel(max(arrays, key=jnp.size))[0]
-    v = jnp.abs(first.astype(jnp.result_type(first, jnp.float32))).astype(jnp.float32)
-    zero = jnp.where(v < jnp.inf, v * 0, 0.0)
-    return [s - zero.astype(s.dtype) for s in shards]
-
-
-def _numeric(x: Any) -> bool:
-    """A float, complex or integer array (not a bool, not a PRNG key)."""
-    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.number))
-    except TypeError:  # an extended dtype (a PRNG key's)
-        return False

@@ -9,10 +9,14 @@
   (``x.astype(params_leaf.dtype)``), as with jmp or flax's ``dtype=``.
 * ``bf16-true``: params and optimizer state stored in bfloat16.
 * ``auto``: bf16-mixed on a GPU or TPU; on a CPU bf16-mixed where bf16 is native, else fp32.
+
+``reduce_dtype`` (``Accelerator(reduce_dtype=)``, the torch side's words) is what gradients
+travel in between devices: float32 by default under every word.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
@@ -22,6 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from accumix.errors import ConfigError
+from accumix.precision.reduce_dtype import (
+    EffectiveDtypes,
+    check_fp16_reduction,
+    parse_reduce_dtype,
+)
 from accumix.precision.words import PRECISION_WORDS, cpu_has_native_bf16
 
 log = logging.getLogger("accumix")
@@ -35,6 +44,9 @@ class JaxPolicy:
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
+    # What gradients travel in between devices (``accumix.jax.wire``). float32 under every
+    # word, bf16-true included (its window sums in float32 and was always reduced so).
+    reduce_dtype: Any = jnp.float32
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -93,3 +105,32 @@ def resolve_jax_policy(precision: str, platform: str) -> JaxPolicy:
             f"precision={precision!r} on this CPU is emulated and much slower than fp32; "
             "it is meant for testing semantics", stacklevel=3)
     return policy
+
+
+def with_reduce_dtype(policy: JaxPolicy, reduce_dtype: Any) -> JaxPolicy:
+    """``policy`` with the user's ``reduce_dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``, a dtype,
+    or None: float32).
+
+    Raises:
+        ConfigError: an unknown value, or fp16 on the wire where no loss scale runs (nothing
+            would recover from an overflow: use bf16, the same bytes with float32's range).
+    """
+    name = parse_reduce_dtype(reduce_dtype)
+    if name is None:
+        return policy
+    check_fp16_reduction(name, loss_scaled=policy.needs_loss_scaling, precision=policy.name)
+    return dataclasses.replace(policy, reduce_dtype=jnp.dtype(name))
+
+
+def effective_dtypes(policy: JaxPolicy, *, reduction: str, reductions: str) -> EffectiveDtypes:
+    """The dtypes a JAX run really uses: the window's gradients always sum in float32 (the
+    accumulators, ``trainable.accum_dtype``), the optimizer steps the stored params.
+
+    Args:
+        reduction: the wire's dtype name, or ``"none"`` on one device.
+        reductions: how often gradients cross devices (the strategy's ``reductions()``).
+    """
+    stored = jnp.dtype(policy.param_dtype).name
+    return EffectiveDtypes(params=stored, compute=jnp.dtype(policy.compute_dtype).name,
+                           accumulation="float32", reduction=reduction, masters=stored,
+                           reductions=reductions)

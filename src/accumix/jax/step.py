@@ -2,11 +2,14 @@
 
     params_c = cast(params)                      # once per window, outside the scan
     shard_map over the "data" axis (each device its rows and its column of the mask):
-        full = gather(params_c)                  # fsdp only
-        scan over the K micro-batches:           # masked ones (a short window) cost a cond
-            g_i = grad(scale * loss_i)           # float leaves only; integer leaves, keys carried
+        scan over the K micro-batches:           # skipped where no device has one (a cond
+                                                 #   on a global flag: the same collectives)
+            g_i = grad(scale * loss_i * valid)   # float leaves only; integer leaves, keys carried;
+                                                 #   a padded device: its micro-batch 0, seed 0
             acc += float32(g_i)                  # (complex64 for complex params); item mode in
                                                  #   fp16: scale * loss_sum_i / n_i, then x n_i
+                                                 #   (fsdp: gathered at each use, and the backward
+                                                 #   adds into acc itself, accumix.jax.gather)
         grads = psum | psum_scatter(acc)         # ONE reduction per window, after the scan
     grads /= scale * (N items | valid micro-steps over devices)   # one division, at the end
                                                  # (no items: zero gradients, not 0/0)
@@ -37,7 +40,7 @@ from accumix.jax.loss_output import LossForm, read_form
 from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.precision import JaxPolicy
 from accumix.jax.state import TrainState
-from accumix.jax.strategies import AXIS, JaxStrategy
+from accumix.jax.strategies import JaxStrategy
 from accumix.jax.trainable import accum_dtype
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
@@ -82,7 +85,8 @@ def build_step(
     def local_window(params_c: Any, batch: Any, mask: jax.Array, key: jax.Array,
                      scale: jax.Array, *, form: LossForm, train_specs: Any) -> tuple[Any, ...]:
         """One device's K micro-steps; returns the reduced sums."""
-        device = jax.lax.axis_index(AXIS)
+        axes = strategy.data_axes
+        device = jax.lax.axis_index(axes)
         first = jax.tree.map(lambda x: x[0], batch)
         # Integer leaves and keys take no gradient: gathered plainly (never through the
         # strategy's differentiated gather) and merged back around the float leaves.
@@ -101,22 +105,25 @@ def build_step(
         item_mode, n_dtype = form.item_mode, count_dtype(items0)
         # fp16 item mode divides each device's gradient by its own item count (below); a
         # strategy that sums devices inside the backward must multiply it back there first.
-        weigh_in_backward = scaled and item_mode and strategy.reduces_each_microstep
+        absolute = strategy.accumulates_in_backward  # the taps' cotangent: the accumulator
+        weigh_in_backward = scaled and item_mode and (strategy.reduces_each_microstep
+                                                      or absolute)
 
-        def objective(p: Any, micro: Any, k: jax.Array) -> tuple[jax.Array, tuple[Any, ...]]:
+        def objective(p: Any, micro: Any, k: jax.Array, live: jax.Array
+                      ) -> tuple[jax.Array, tuple[Any, ...]]:
             loss, items, aux = form.split(loss_fn(p, micro, k))
             loss = loss.astype(jnp.float32)
             items = jnp.asarray(items if item_mode else 1, n_dtype)
             # fp16 item mode: a summed loss x 65536 overflows; scale the sum by 1/n here and by
             # n in float32 below (the torch side divides by an items hint for the same reason).
             per = jnp.maximum(items, 1).astype(jnp.float32) if (scaled and item_mode) else 1.0
-            return loss * (scale / per), (loss, items, aux, per)
+            return loss * (scale / per) * live, (loss, items, aux, per)
 
         zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), target)
         zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), aux0)
 
         def micro_step(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, None]:
-            index, micro, valid = xs
+            index, given, valid, anyone = xs
 
             g_acc, l_acc, n_acc, a_acc = carry
 
@@ -124,6 +131,15 @@ def build_step(
             # the backward yields them, not returned whole first (a second full set, alive).
             def compute(g_acc: Any) -> tuple[Any, ...]:
                 k = jax.random.fold_in(jax.random.fold_in(key, index), device)
+                # A device whose micro-batch is padding (its process passed a shorter window)
+                # runs this micro-step too when another device's is real: the collectives in
+                # the backward (fsdp's gathers, sync's reduce-scatters) must be issued by every
+                # device alike. It recomputes its own micro-batch 0 (always real: finite
+                # wherever the real micro-step is, where zeros of padding could give 0/0) with
+                # a zero loss seed, so every gradient it adds, before or after a sum over
+                # devices, is exactly 0; the sums below select it away.
+                live = valid.astype(jnp.float32)
+                micro = jax.tree.map(lambda x, x0: jnp.where(valid, x, x0), given, first)
                 weight = one
                 if weigh_in_backward:  # the count alone: XLA drops the rest of this forward
                     items = form.split(loss_fn(use(weights, target, one), micro, k))[1]
@@ -131,30 +147,41 @@ def build_step(
 
                 def at_use(t: Any, shards: Any) -> tuple[jax.Array, tuple[Any, ...]]:
                     return strategy.call_at_use(
-                        lambda p: objective(trainable.merge(p, carried), micro, k),
+                        lambda p: objective(trainable.merge(p, carried), micro, k, live),
                         shards, t, train_specs, weight)
 
-                grad, (loss, items, aux, per) = jax.grad(at_use, has_aux=True)(target, weights)
-                per = one if weigh_in_backward else per
-                g_acc = jax.tree.map(lambda a, g: a + g.astype(accum_dtype(g.dtype)) * per,
-                                     g_acc, grad)
-                aux = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
-                return g_acc, loss, items, aux
+                grad, (loss, items, aux, per) = jax.grad(at_use, has_aux=True)(
+                    g_acc if absolute else target, weights)
+
+                def add(a: jax.Array, g: jax.Array) -> jax.Array:
+                    if absolute:  # the new accumulator: a padded micro-step added its zeros
+                        return g
+                    g = g.astype(accum_dtype(g.dtype))
+                    return a + jnp.where(valid, g * per, 0)
+                g_acc = jax.tree.map(add, g_acc, grad)
+                aux = jax.tree.map(lambda a: jnp.where(valid, jnp.asarray(a, jnp.float32), 0),
+                                   aux)
+                return (g_acc, jnp.where(valid, loss, 0),
+                        jnp.where(valid, items, jnp.zeros((), n_dtype)), aux)
 
             def skip(g_acc: Any) -> tuple[Any, ...]:
                 return g_acc, jnp.float32(0), jnp.zeros((), n_dtype), zero_aux
 
-            g_acc, loss, items, aux = jax.lax.cond(valid, compute, skip, g_acc)
+            # The same predicate on every device (whether any device has this micro-step), so
+            # that every device issues the same collectives: a short window's padded tail is
+            # skipped where every process's window is short.
+            g_acc, loss, items, aux = jax.lax.cond(anyone, compute, skip, g_acc)
             return (g_acc, l_acc + loss, n_acc + items,
                     jax.tree.map(jnp.add, a_acc, aux)), None
 
         carry0 = (zero_grads, jnp.float32(0), jnp.zeros((), n_dtype), zero_aux)
         steps = jnp.arange(grad_accum_steps)
         mask = mask[:, 0]  # this device's column: processes may pass windows of other lengths
-        (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(micro_step, carry0, (steps, batch, mask))
+        valid_devices = jax.lax.psum(mask.astype(jnp.int32), axes)  # per micro-step, global
+        xs = (steps, batch, mask, valid_devices > 0)
+        (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(micro_step, carry0, xs)
         g_sum = strategy.reduce_grads(g_sum, train_specs)
-        micro_steps = jnp.sum(mask.astype(jnp.int32))
-        return g_sum, *jax.lax.psum((l_sum, n_sum, a_sum, micro_steps), AXIS)
+        return g_sum, *jax.lax.psum((l_sum, n_sum, a_sum), axes), jnp.sum(valid_devices)
 
     def step(state: TrainState, window: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         batch, mask = window.batch, window.device_mask
@@ -163,13 +190,14 @@ def build_step(
         params_c = policy.cast_to_compute(state.params)  # once per window, outside the scan
         rng, key = jax.random.split(state.rng)
         scale = state.loss_scale.scale
-        batch_specs = jax.tree.map(lambda _: P(None, AXIS), batch)
+        rows_spec = strategy.rows_spec(1)
+        batch_specs = jax.tree.map(lambda _: rows_spec, batch)
         form = loss_form(loss_fn, params_c, window)  # static: fixed at trace time
         item_mode = form.item_mode
         train_specs = trainable.select(param_specs, state.params)
         g_sum, l_sum, n_sum, a_sum, micro_steps = jax.shard_map(
             partial(local_window, form=form, train_specs=train_specs), mesh=strategy.mesh,
-            in_specs=(param_specs, batch_specs, P(None, AXIS), P(), P()),
+            in_specs=(param_specs, batch_specs, rows_spec, P(), P()),
             out_specs=(train_specs, P(), P(), P(), P()),
             check_vma=False,
         )(params_c, batch, mask, key, scale)
@@ -249,17 +277,17 @@ def build_eval(loss_fn: LossFn, *, strategy: JaxStrategy, policy: JaxPolicy,
             loss, items = loss * rows, rows
         w = weight[0]
         sums = (loss.astype(jnp.float32) * w, jnp.asarray(items, jnp.float32) * w)
-        return jax.lax.psum(sums, AXIS)
+        return jax.lax.psum(sums, strategy.data_axes)
 
     def evaluate(state: TrainState, batch: Any, weight: jax.Array) -> tuple[jax.Array, ...]:
         params_c = policy.cast_to_compute(state.params)
-        specs = jax.tree.map(lambda _: P(AXIS), batch)
+        specs = jax.tree.map(lambda _: strategy.rows_spec(), batch)
         rows = jax.tree.map(  # one device's rows, as loss_fn sees them
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // strategy.num_devices, *x.shape[1:]),
                                            x.dtype), batch)
         form = read_form(loss_fn, params_c, rows, None)
         return jax.shard_map(partial(local, form=form), mesh=strategy.mesh,
-                             in_specs=(param_specs, specs, P(AXIS)),
+                             in_specs=(param_specs, specs, strategy.rows_spec()),
                              out_specs=(P(), P()), check_vma=False)(params_c, batch, weight)
 
     return jax.jit(evaluate)

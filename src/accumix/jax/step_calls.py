@@ -7,12 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from accumix.errors import ConfigError
 from accumix.jax.data import Window, canonical
 from accumix.jax.state import TrainState
-from accumix.jax.strategies import AXIS
 
 if TYPE_CHECKING:
     from accumix.jax.accelerator import Accelerator
@@ -48,7 +46,7 @@ class EvalStep:
     def __call__(self, state: TrainState, batch: Any, weight: float = 1.0
                  ) -> tuple[jax.Array, jax.Array]:
         strategy = self._acc.strategy
-        rows = strategy.sharding(P(AXIS))
+        rows = strategy.sharding(strategy.rows_spec())
         local = jax.tree.map(canonical, batch)
         first = jax.tree.leaves(local)[0]
         if first.shape[0] % self._acc.local_devices:

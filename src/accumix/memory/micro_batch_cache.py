@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from accumix.memory.peak_memory import device_model
+from accumix.step.compile import unwrap
 
 if TYPE_CHECKING:
     from accumix.step.run_state import RunState
@@ -24,15 +26,17 @@ CACHE_FILE = "micro_batch_auto.json"
 def cache_key(run: RunState, sample: Any, global_batch: int, headroom: float) -> str:
     """What the answer depends on: world, precision, strategy and its memory settings
     (``Strategy.probe_settings``), the shapes of a one-row batch
-    (``sample``), the device model, the parameters' shapes and dtypes, the optimizers, the
-    global batch, the limit and the headroom."""
+    (``sample``), the device model, the parameters' shapes and dtypes (also those the
+    optimizers step outside the models), the models' settings (``model_settings``: activation
+    checkpointing on or off), the optimizers, the global batch, the limit and the headroom."""
     shapes = [(tuple(t.shape), str(t.dtype)) for t in tree_leaves(sample)
               if isinstance(t, torch.Tensor)]
     # Every parameter's shape, dtype and trainability, and each optimizer's class: a model of
     # the same size but other shapes (wider activations) or dtype, a frozen part or another
     # optimizer's states needs another answer, which a parameter count alone would not key.
     params = repr([(tuple(p.shape), str(p.dtype), p.requires_grad)
-                   for model in run.models for p in model.parameters()])
+                   for model in run.models for p in model.parameters()]
+                  + [(tuple(p.shape), str(p.dtype)) for p in outside_parameters(run)])
     optimizers = [type(run.strategy.state_optimizer(o.optimizer)).__name__
                   for o in run.optimizers]
     parts = {"world": run.strategy.dp_world_size, "precision": run.policy.name,
@@ -41,8 +45,41 @@ def cache_key(run: RunState, sample: Any, global_batch: int, headroom: float) ->
              "strategy_settings": run.strategy.probe_settings(),
              "device": device_model(run.device), "params": params,
              "optimizers": optimizers,
+             "model_settings": [model_settings(unwrap(run.strategy, model))
+                                for model in run.models],
              "global_batch": global_batch, "limit": run.memory_limit, "headroom": headroom}
     return key_of(parts)
+
+
+def outside_parameters(run: RunState) -> list[torch.Tensor]:
+    """Tensors an optimizer steps that no set-up model holds (a learnable loss temperature, an
+    ``nn.Parameter`` or a plain leaf tensor with ``requires_grad``): the probe keeps them as it
+    keeps the models' (``micro_batch_probe``)."""
+    inside = {id(p) for model in run.models for p in model.parameters()}
+    found = {id(p): p for wrapped in run.optimizers for group in wrapped.optimizer.param_groups
+             for p in group["params"] if isinstance(p, torch.Tensor) and id(p) not in inside}
+    return list(found.values())
+
+
+def model_settings(model: nn.Module) -> list[Any]:
+    """What changes a model's memory without changing its parameters' shapes: each module's
+    class and its public attributes of plain values (Hugging Face's ``gradient_checkpointing``
+    flags, a user's ``use_checkpoint``, dropout rates, ``training``), and a Hugging Face
+    ``config`` (``use_cache``, the attention implementation, ...). A restart that changes one
+    probes again instead of reusing an answer measured with another setting."""
+    plain = (bool, int, float, str, type(None))
+    settings: list[Any] = [
+        (name, type(module).__qualname__,
+         sorted((k, v) for k, v in vars(module).items()
+                if not k.startswith("_") and isinstance(v, plain)))
+        for name, module in model.named_modules()]
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_dict", None)):
+        settings.append(config.to_dict())
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation is not None:  # private in the config, left out of to_dict()
+        settings.append(("attn_implementation", str(implementation)))
+    return settings
 
 
 def key_of(parts: dict[str, Any]) -> str:

@@ -2,19 +2,30 @@
 
 Each candidate size n (``micro_batch_search.candidates``: the divisors of G / world, so K is an
 integer) is probed by bisection. One probe runs on every rank, under the real strategy and
-precision, what a window's micro-step allocates at its worst:
+precision, the *steady state* of a window of K = G / (world * n) micro-steps, which training
+reaches from its second micro-step on:
 
-* the user's step (forward + loss) on ``make_batch(n)``, the longest batch the data can give,
-  under the precision's autocast, and its backward (scaled as fp16 scales it) with gradient
-  communication off, as off the boundary: the window holds these gradients (under FSDP the
-  unsharded ones), and no collective of the backend runs in the backward;
-* the first optimizer step's allocations: an optimizer with no state yet (the one holding
-  this rank's states, ``Strategy.state_optimizer``: ZeRO-1's local partition) is copied with
-  ``lr=0`` over the same parameters and stepped once, so its states are allocated and measured
-  while the real optimizer stays untouched (one with state already is part of the baseline).
+* the optimizers' states are alive: an optimizer with no state yet (the one holding this rank's
+  states, ``Strategy.state_optimizer``: ZeRO-1's local partition) is copied with ``lr=0`` over
+  the same parameters and stepped, so its states are allocated and held through the probe while
+  the real optimizer stays untouched (one with state already is part of the baseline);
+* two micro-steps run: the user's step (forward + loss) on ``make_batch(n)``, the longest batch
+  the data can give, under the precision's autocast, and its backward (scaled as fp16 scales
+  it) with gradient communication off, as off the boundary. With K > 1 the second runs while
+  the first one's gradients are held, as the window's accumulators (under FSDP the unsharded
+  ones): the peak counts states, accumulators and one micro-step's activations at once. With
+  K = 1 the gradients are dropped between them, as ``zero_grad`` does. The output the step
+  returned stays alive until the next step has returned (a loop's ``out = step(batch)``);
+* the window's end: the copies step again, with the window's gradients, the states and the
+  last output alive (the step's temporaries).
+
+With K = 1 no gradient is held through a forward, so the largest size (K = 1) may fit where
+smaller ones do not: it is tried on its own (``largest_fitting(top_alone=True)``).
 
 On CPU, which has no out-of-memory error before the kernel's OOM killer, the two smallest
-sizes are probed first and a size their peaks predict at twice its budget is not run.
+sizes that run are probed first (a BatchNorm model refuses 1 row: then 2 and 3) and a size
+their peaks predict at twice its budget is not run. The probe's own host copy of the
+parameters is not counted: a training run never holds it.
 
 **Agreement without a hang.** The decision is the minimum over ranks: one ``all_gather`` of
 ``[failed, peak, limit]`` per probe. An out-of-memory error on one rank must not leave the
@@ -31,9 +42,12 @@ from hooks inside its backward, out of reach of a checkpoint: ``Strategy.probe_m
 ``probe_backward`` run its probe beside the engine, with no collective in the backward,
 ``strategies/deepspeed_probe``.)
 
-**Probing changes nothing.** Parameters and buffers (this rank's shards) are copied to the host
-once before the search and copied back after it; every RNG stream (python, numpy, torch, CUDA)
-is captured and restored; gradients the probe made are dropped (``Strategy.clear_gradients``);
+**Probing changes nothing.** Parameters and buffers (this rank's shards), and the parameters the
+optimizers step outside the set-up models (a learnable loss temperature), are copied to the
+host once before the search and copied back after it (a buffer the forward replaced by a new
+tensor is put back in its module); every RNG stream (python, numpy, torch,
+CUDA) is captured and restored; gradients the probe made are dropped
+(``Strategy.clear_gradients``, and on those outside parameters);
 the loss scale is read, never updated; the accumulation window and the loaders are not touched
 (the loader is set up after the choice). An ``auto`` run is therefore bit-identical to the run
 given the chosen size.
@@ -41,15 +55,17 @@ given the chosen size.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import numbers
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
-from torch.utils._pytree import tree_leaves
 
 from accumix.checkpoint import rng_state
 from accumix.common.micro_batch_search import (
@@ -71,7 +87,7 @@ from accumix.memory.micro_batch_agreement import (
     ProbeError,
     checkpoint_hooks,
 )
-from accumix.memory.micro_batch_cache import cache_key, read_cache, write_cache
+from accumix.memory.micro_batch_cache import cache_key, outside_parameters, read_cache, write_cache
 from accumix.memory.peak_memory import PeakMeter, release_cached
 from accumix.step import accum_steps
 
@@ -149,33 +165,42 @@ def _choose(run: RunState, step: StepFn, make_batch: MakeBatch, sizes: list[int]
         return choice
     results: dict[int, list[list[float]]] = {}
     verdicts: dict[int, bool] = {}
+    raised: dict[int, str] = {}  # sizes whose step raised (BatchNorm refusing 1 row)
 
     def fits(n: int, tolerate: bool = False) -> bool:
         if n not in verdicts:
-            if verdicts.get(sizes[0]) is False or _far_over(results, sizes, n, headroom):
+            smallest = next((m for m in sizes if m not in raised), None)
+            # Memory grows with the rows among sizes with K > 1; K = 1 holds no accumulator.
+            if (n != sizes[-1] and verdicts.get(smallest) is False) \
+                    or _far_over(results, n, headroom):
                 verdicts[n] = False
             else:
-                rows = _probe(run, step, make_batch, n, limit, tolerate=tolerate)
+                meter = PeakMeter(run.device, exclude=kept)
+                rows = _probe(run, step, make_batch, n, limit, meter, tolerate=tolerate)
                 if rows is not None:
                     results[n] = rows
                 verdicts[n] = rows is not None and all(
                     fits_with_headroom(int(peak), int(lim), headroom) for _, peak, lim in rows)
         return verdicts[n]
 
-    raised: dict[int, str] = {}  # sizes whose step raised (BatchNorm refusing 1 row)
-    with _parameters_preserved(run):
+    with _parameters_preserved(run) as kept:
         if run.device.type == "cpu":
             # No out-of-memory error on CPU before the kernel kills the process: the two
-            # smallest sizes first give each rank's bytes per row, and a size predicted far past
-            # the limit is not run (``_far_over``).
-            for n in sizes[:2]:
+            # smallest sizes that run give each rank's bytes per row, and a size predicted far
+            # past the limit is not run (``_far_over``). A size whose step raises is left out
+            # (BatchNorm refuses 1 row); after two such, the model's own error is raised.
+            for n in sizes:
+                if len(results) == 2:
+                    break
                 try:
-                    fits(n, tolerate=True)
-                except ProbeError as exc:  # no prediction; the search goes on without n, which
-                    raised[n] = str(exc)   # cannot run (the bisection came back to it and
-                    # raised the model's own error when no larger size fitted)
+                    fits(n, tolerate=len(raised) < 2)
+                except ProbeError as exc:  # no prediction from n; the search goes on without it
+                    raised[n] = str(exc)
+                    continue
+                if n not in results:  # a rank ran out of memory: no larger K > 1 size runs
+                    break
         runnable = [n for n in sizes if n not in raised]
-        best, _ = largest_fitting(runnable, fits) if runnable else (None, 0)
+        best, _ = largest_fitting(runnable, fits, top_alone=True) if runnable else (None, 0)
     probes = len(results)
     if best is None:
         smallest = runnable[0] if runnable else sizes[0]
@@ -203,22 +228,21 @@ def measure(run: RunState, step: StepFn, make_batch: MakeBatch, n: int) -> PeakM
     ``growth`` above the bytes alive before), or None when some rank ran out of memory."""
     rng = rng_state.capture(run)
     try:
-        with _parameters_preserved(run):
-            meter = PeakMeter(run.device)
+        with _parameters_preserved(run) as kept:
+            meter = PeakMeter(run.device, exclude=kept)
             rows = _probe(run, step, make_batch, n, run.memory_limit, meter)
     finally:
         rng_state.restore(run, rng)
     return None if rows is None else meter
 
 
-def _far_over(results: dict[int, list[list[float]]], sizes: list[int], n: int,
-              headroom: float) -> bool:
+def _far_over(results: dict[int, list[list[float]]], n: int, headroom: float) -> bool:
     """Whether size n is predicted, on some rank, at twice its budget or more: the peak is
-    affine in the rows, fitted through the two smallest sizes' peaks (gathered, so every rank
-    predicts the same and they skip the same probes)."""
-    if len(sizes) < 2 or sizes[0] not in results or sizes[1] not in results:
+    affine in the rows, fitted through the two smallest probed sizes' peaks (gathered, so every
+    rank predicts the same and they skip the same probes)."""
+    if len(results) < 2:
         return False
-    a, b = sizes[0], sizes[1]
+    a, b = sorted(results)[:2]
     for low, high in zip(results[a], results[b], strict=True):
         per_row = max(high[1] - low[1], 0.0) / (b - a)
         if low[1] + (n - a) * per_row > 2 * low[2] * (1 - headroom):
@@ -227,22 +251,23 @@ def _far_over(results: dict[int, list[list[float]]], sizes: list[int], n: int,
 
 
 def _probe(run: RunState, step: StepFn, make_batch: MakeBatch, n: int, limit: int,
-           meter: PeakMeter | None = None, tolerate: bool = False) -> list[list[float]] | None:
+           meter: PeakMeter, tolerate: bool = False) -> list[list[float]] | None:
     """One probe of size n on every rank: each rank's ``[0, peak, limit]``, or None when a rank
     ran out of memory (then every rank returns None, having made the same collectives).
 
     Raises:
         ProbeError: ``tolerate`` and a rank's step raised another error (on every rank).
     """
+    _, global_batch, _ = run.batch_sizes
+    accumulating = global_batch // (run.strategy.dp_world_size * n) > 1
     agreement = Agreement(run)
-    meter = meter or PeakMeter(run.device)
     failed = 0.0
     rows = None
     error: Exception | None = None
     said = "an error on another rank"  # what a tolerant probe's ProbeError says
     try:
         with checkpoint_hooks(run, agreement), meter.measure():
-            _step_once(run, step, make_batch(n), agreement)
+            _steady_state(run, step, make_batch(n), agreement, accumulating)
         rows = agreement.final(meter.peak, limit)
     except torch.OutOfMemoryError:
         failed = OOM
@@ -252,8 +277,7 @@ def _probe(run: RunState, step: StepFn, make_batch: MakeBatch, n: int, limit: in
         failed, error = ERROR, None if tolerate else exc
         said = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     finally:
-        for model in run.models:
-            run.strategy.clear_gradients(model)
+        _clear_gradients(run)
     release_cached(run.device)  # outside the handler: its traceback (and tensors) is gone
     if failed:
         agreement.fail(failed)
@@ -267,66 +291,123 @@ def _probe(run: RunState, step: StepFn, make_batch: MakeBatch, n: int, limit: in
     return rows
 
 
-def _step_once(run: RunState, step: StepFn, batch: Any, agreement: Agreement) -> None:
-    """Forward, backward without gradient communication, and the optimizers' first states."""
+def _steady_state(run: RunState, step: StepFn, batch: Any, agreement: Agreement,
+                  accumulating: bool) -> None:
+    """The optimizers' states, two micro-steps (their gradients held between them when the
+    window accumulates) and the window's end (module docstring)."""
     batch = move_to_device(batch, run.device)
+    states = _ShadowOptimizers(run)  # allocated now: alive through both micro-steps
     with ExitStack() as no_sync:
         for model in run.models:
             no_sync.enter_context(run.strategy.probe_mode(model))
         try:
-            loss = _loss_of(step(batch))
-            agreement.checkpoint()  # the backward may communicate (FSDP all-gathers)
-            scale = run.strategy.scaler.scale
-            run.strategy.probe_backward(loss * scale if scale != 1.0 else loss,
-                                        run.models[0] if run.models else None)
-            del loss, batch
+            held = None
+            for index in range(2):
+                output = step(batch)
+                held = None  # the previous micro-step's output lived through this forward
+                loss = _loss_of(output)
+                agreement.checkpoint()  # the backward may communicate (FSDP all-gathers)
+                scale = run.strategy.scaler.scale
+                run.strategy.probe_backward(loss * scale if scale != 1.0 else loss,
+                                            run.models[0] if run.models else None)
+                del loss
+                held, output = output, None
+                if index == 0 and not accumulating:  # K = 1: the window ends, zero_grad
+                    states.step()
+                    _clear_gradients(run)
+            states.step()  # the window's end, its gradients and the last output alive
+            del held
         finally:  # still without gradient sync: a stopped backward's cleanup must not talk
-            for model in run.models:
-                run.strategy.clear_gradients(model)
-    _allocate_optimizer_states(run)
+            _clear_gradients(run)
+            states.shadows.clear()
 
 
-def _allocate_optimizer_states(run: RunState) -> None:
-    """Allocates what each stateless optimizer's first step would, without stepping it."""
-    for wrapped in run.optimizers:
-        optimizer = run.strategy.state_optimizer(wrapped.optimizer)
-        if optimizer.state:
-            continue
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        made = [p for p in params if p.grad is None]
-        for p in made:  # at the boundary these hold the (reduced) window's gradients
-            p.grad = torch.zeros_like(p)
-        groups = [{**g, "lr": 0.0} for g in optimizer.param_groups]
-        # Each group carries every hyper-parameter; the constructor gets the defaults it names.
-        accepted = inspect.signature(type(optimizer)).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        try:
-            shadow = type(optimizer)(groups, **defaults)
-        except (TypeError, ValueError):  # a constructor that cannot be called like this
-            log.warning("micro_batch_size='auto' cannot copy %s to measure its states; "
-                        "they are left out of the probe", type(optimizer).__name__)
-            continue
+def _clear_gradients(run: RunState) -> None:
+    """Drops every gradient a probe made: the models' (``Strategy.clear_gradients``) and those
+    of parameters the optimizers step outside them."""
+    for model in run.models:
+        run.strategy.clear_gradients(model)
+    for param in outside_parameters(run):
+        param.grad = None
+
+
+class _ShadowOptimizers:
+    """A copy of each stateless optimizer with ``lr=0`` over the same parameters, stepped once
+    at creation: its states are allocated as the real first step's would be and stay alive
+    until ``shadows`` is cleared; ``step()`` again is the window end's temporaries. A copy that
+    cannot be built, or whose step refuses zero gradients without the user's closure
+    (``LBFGS``) or dense ones (``SparseAdam``), is left out with a warning: the probe then
+    misses its states, where raising would stop a run the explicit size trains."""
+
+    def __init__(self, run: RunState) -> None:
+        self.shadows: list[torch.optim.Optimizer] = []
+        for wrapped in run.optimizers:
+            optimizer = run.strategy.state_optimizer(wrapped.optimizer)
+            if optimizer.state:
+                continue
+            groups = [{**g, "lr": 0.0} for g in optimizer.param_groups]
+            # Each group carries every hyper-parameter; the constructor gets the defaults it
+            # names.
+            accepted = inspect.signature(type(optimizer)).parameters
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            try:
+                shadow = type(optimizer)(groups, **defaults)
+                _shadow_step(shadow)
+            except torch.OutOfMemoryError:
+                raise
+            except (TypeError, ValueError, RuntimeError) as exc:
+                log.warning("micro_batch_size='auto' cannot step a copy of %s to measure its "
+                            "states (%s); they are left out of the probe",
+                            type(optimizer).__name__, str(exc).splitlines()[0][:120])
+                continue
+            self.shadows.append(shadow)
+
+    def step(self) -> None:
+        for shadow in self.shadows:
+            _shadow_step(shadow)
+
+
+def _shadow_step(shadow: torch.optim.Optimizer) -> None:
+    """``shadow.step()``, a zero gradient made for each parameter without one (at the boundary
+    the others hold the window's gradients) and dropped after."""
+    made = [p for g in shadow.param_groups for p in g["params"]
+            if p.requires_grad and p.grad is None]
+    for p in made:
+        p.grad = torch.zeros_like(p)
+    try:
         shadow.step()
-        del shadow
+    finally:
         for p in made:
             p.grad = None
 
 
 @contextmanager
-def _parameters_preserved(run: RunState) -> Iterator[None]:
-    """Restores every parameter and buffer (this rank's shards) after the search, and the
-    gradients that existed before it (a window in progress): the probe's backward adds into
-    them and its cleanup drops them, so each comes back as the same tensor with its values."""
+def _parameters_preserved(run: RunState) -> Iterator[list[torch.Tensor]]:
+    """Restores every parameter and buffer (this rank's shards) and every parameter the
+    optimizers step outside the models after the search, and the gradients that existed
+    before it (a window in progress): the probe's backward adds into them and its cleanup
+    drops them, so each comes back as the same tensor with its values. A buffer the forward
+    *replaced* (``self.mean = 0.9 * self.mean + ...``, a running normaliser) is put back in its
+    module too: restoring the old tensor's values alone would leave the probe's in the model
+    (parameters are left to the strategy: FSDP2 swaps them in its own forward). Yields what
+    a meter must not count: these host copies, and those gradients (the probe makes its own)."""
+    outside = outside_parameters(run)
     tensors = [t for model in run.models
-               for t in (*model.parameters(), *model.buffers())]
+               for t in (*model.parameters(), *model.buffers())] + outside
+    slots = [(module, name, tensor) for model in run.models for module in model.modules()
+             for name, tensor in module._buffers.items() if tensor is not None]
     saved = [_local(t.detach()).to("cpu", copy=True) for t in tensors]
-    params = list(dict.fromkeys(p for model in run.models for p in model.parameters()))
+    params = list(dict.fromkeys(
+        [p for model in run.models for p in model.parameters()] + outside))
     grads = [(p, p.grad, _local(p.grad.detach()).to("cpu", copy=True))
              for p in params if p.grad is not None]
     try:
-        yield
+        yield saved + [copy for _, _, copy in grads] + [grad for _, grad, _ in grads]
     finally:
         with torch.no_grad():
+            for module, name, tensor in slots:
+                if module._buffers.get(name) is not tensor:
+                    module._buffers[name] = tensor
             for tensor, copy in zip(tensors, saved, strict=True):
                 _local(tensor.detach()).copy_(copy)
             for param, grad, copy in grads:
@@ -350,9 +431,9 @@ def _loss_of(output: Any) -> torch.Tensor:
 
 def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:
     """A ``make_batch`` for a DataLoader over a map-style dataset: n copies of the largest of
-    its first ``scan`` samples (by tensor elements), through the loader's ``collate_fn``. Give
-    your own ``make_batch`` when the longest sample the data can give is known (the recipe's:
-    ``block_size`` tokens).
+    its first ``scan`` samples (by elements: of tensors, numpy arrays, token lists, texts),
+    through the loader's ``collate_fn``. Give your own ``make_batch`` when the longest sample
+    the data can give is known (the recipe's: ``block_size`` tokens).
 
     Raises:
         ConfigError: a dataset without ``len`` and indexing (an IterableDataset).
@@ -371,14 +452,35 @@ def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:
 
     def make_batch(n: int) -> Any:
         # The scan reads samples, which may draw (augmentation): it runs at the first call,
-        # inside the probe, whose RNG capture gives every stream back; read here it would
-        # move them before the run.
+        # inside the probe, whose RNG capture gives the global streams back; a generator of
+        # the dataset's own is put back here. Read before the probe it would move them.
         if not found:
             try:
-                found.append(max((dataset[i] for i in range(count)), key=lambda s: sum(
-                    t.numel() for t in tree_leaves(s) if isinstance(t, torch.Tensor))))
+                with rng_state.generators_kept(dataset):
+                    found.append(max((dataset[i] for i in range(count)), key=sample_elements))
             except (TypeError, NotImplementedError) as exc:
                 raise refusal from exc
         return collate([found[0]] * n)
 
     return make_batch
+
+
+def sample_elements(sample: Any) -> int:
+    """How big a sample is: the elements of its tensors and numpy arrays, the entries of its
+    lists of numbers (token ids), the characters of its texts, in any nesting of mappings,
+    sequences and dataclasses."""
+    if isinstance(sample, torch.Tensor):
+        return sample.numel()
+    if isinstance(sample, np.ndarray | np.generic):
+        return int(sample.size)
+    if isinstance(sample, str | bytes):
+        return len(sample)
+    if isinstance(sample, numbers.Number):
+        return 1
+    if isinstance(sample, Mapping):
+        return sum(sample_elements(v) for v in sample.values())
+    if isinstance(sample, list | tuple):
+        return sum(sample_elements(v) for v in sample)
+    if dataclasses.is_dataclass(sample) and not isinstance(sample, type):
+        return sum(sample_elements(getattr(sample, f.name)) for f in dataclasses.fields(sample))
+    return 0

@@ -11,6 +11,10 @@ step, seen by a ``TorchDispatchMode`` that adds each new storage's bytes when an
 returns it and subtracts them when the storage is freed (a weak reference's callback). It counts
 tensors, not the interpreter, libraries or allocator slack; a test checks the growth against the
 process's real peak resident-set growth (``ru_maxrss``) in a fresh process.
+
+Both collect garbage first (a dropped run's tensors held by reference cycles are not the step's)
+and leave out what the caller names (``exclude``): the probe's own backup of the parameters is
+host memory that a training run never holds.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import gc
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -90,23 +94,28 @@ class PeakMeter:
 
     Args:
         device: the rank's device (cuda or cpu).
+        exclude: tensors alive through the step that the measured workload would not hold (the
+            probe's own host copy of the parameters, a window's gradients the probe replaces
+            with its own): their bytes on ``device`` are left out of ``peak``.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, exclude: Iterable[torch.Tensor] = ()) -> None:
         self.device = device
         self.peak = 0
-        self.growth = 0  # CPU: the peak above the bytes alive when the step began
+        self.growth = 0  # the peak above the bytes alive when the step began
+        self.excluded = storage_bytes(exclude, device)
 
     @contextmanager
     def measure(self) -> Iterator[None]:
+        gc.collect()  # garbage in reference cycles (a dropped run's objects) is not the step's
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
             yield
             torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-            self.growth = self.peak - before
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.excluded
+            self.growth = self.peak + self.excluded - before
             return
         before = live_cpu_tensor_bytes()
         mode = _StorageGrowth()
@@ -115,7 +124,20 @@ class PeakMeter:
                 yield
         finally:
             self.growth = mode.peak
-            self.peak = before + mode.peak
+            self.peak = before + mode.peak - self.excluded
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """The bytes of the distinct storages of ``tensors`` that live on ``device``."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()
+        if tensor.device.type != device.type or device.index not in (None, tensor.device.index):
+            continue
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def release_cached(device: torch.device) -> None:

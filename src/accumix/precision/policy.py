@@ -7,17 +7,21 @@ form: autocast + loss scaler (single, DDP), ``MixedPrecisionPolicy`` (FSDP2), th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from accumix.errors import ConfigError
+from accumix.precision.reduce_dtype import parse_reduce_dtype
 from accumix.precision.words import PRECISION_WORDS, cpu_has_native_bf16
 
 log = logging.getLogger("accumix")
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -29,7 +33,8 @@ class Policy:
         param_dtype: dtype parameters (and optimizer states) are stored in.
         compute_dtype: dtype of the forward's matmuls; autocast runs when it differs from
             ``param_dtype``.
-        reduce_dtype: dtype gradients are reduced in across ranks (sharded strategies).
+        reduce_dtype: dtype gradients travel in between ranks (every strategy; the window's
+            gradients are summed locally in float32 and cast only for the reduction).
         output_dtype: floating outputs of the forward are cast to this (float32 by default, so
             losses are computed in full precision); ``None`` leaves them as they come.
     """
@@ -126,3 +131,20 @@ def _auto_policy(device: torch.device) -> tuple[Policy, str]:
     if device.type == "cpu" and cpu_has_native_bf16():
         return _POLICIES["bf16-mixed"], "this CPU has native bf16 instructions"
     return _POLICIES["fp32"], f"{device.type} without native bf16: half precision would be slower"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the backend-free name)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def with_reduce_dtype(policy: Policy, reduce_dtype: Any) -> Policy:
+    """``policy`` with the user's ``reduce_dtype`` (a word, a torch dtype, or None: unchanged).
+
+    Raises:
+        ConfigError: an unknown value.
+    """
+    name = parse_reduce_dtype(reduce_dtype)
+    if name is None:
+        return policy
+    return dataclasses.replace(policy, reduce_dtype=TORCH_DTYPES[name])

@@ -72,7 +72,8 @@ def run(config: TrainConfig) -> int:
                          global_batch_size=config.global_batch_size,
                          micro_batch_size=config.micro_batch_size, seed=config.seed,
                          memory_limit=config.memory_limit,
-                         compile=True if config.compile else None)
+                         compile=True if config.compile else None,
+                         reduce_dtype=config.reduce_dtype)
     train_files, val_files, train, val = datasets(config)
     model = GPT(config.model)
     if config.init_from is not None:

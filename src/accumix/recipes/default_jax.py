@@ -184,7 +184,7 @@ def run(config: TrainConfig) -> int:
     acc = axj.Accelerator(strategy=config.strategy, precision=config.precision,
                           global_batch_size=config.global_batch_size,
                           micro_batch_size=config.micro_batch_size, seed=config.seed,
-                          memory_limit=config.memory_limit)
+                          memory_limit=config.memory_limit, reduce_dtype=config.reduce_dtype)
     train_files, val_files, train, val = datasets(config)
     model_cfg = config.model
     loss_fn = make_loss_fn(model_cfg)

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Literal
 
 from accumix.errors import ConfigError
-from accumix.precision.policy import PRECISION_WORDS
+from accumix.precision.reduce_dtype import check_fp16_reduction, parse_reduce_dtype
+from accumix.precision.words import PRECISION_WORDS
 from accumix.recipes.gpt import GPTConfig
 from accumix.strategies.registry import STRATEGY_WORDS
 
@@ -103,6 +104,9 @@ class TrainConfig:
         strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``hsdp`` (several
             nodes), ``deepspeed``.
         precision: ``auto``, ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``.
+        reduce_dtype: what gradients travel in between ranks: ``fp32``, ``bf16``, ``fp16``
+            (``fp16-mixed`` only); null: the precision's (float32; bf16 under ``bf16-true``;
+            float32 under every precision on the JAX backend).
         compile: ``torch.compile`` the model (inductor) after the strategy wrapped it
             (``Accelerator(compile=True)``); the JAX backend always jits and ignores it.
         global_batch_size: documents per optimizer step over all ranks (fixed whatever nproc).
@@ -137,6 +141,7 @@ class TrainConfig:
     seed: int = 0
     strategy: str = "auto"
     precision: str = "auto"
+    reduce_dtype: str | None = None
     compile: bool = False
     global_batch_size: int = 32
     micro_batch_size: int | Literal["auto"] = 8
@@ -174,6 +179,16 @@ class TrainConfig:
         if self.precision not in PRECISION_WORDS:
             raise ConfigError(f"precision={self.precision!r} is invalid; use one of "
                               f"{', '.join(PRECISION_WORDS)}")
+        if self.reduce_dtype is not None:
+            try:
+                wire = parse_reduce_dtype(str(self.reduce_dtype))
+            except ConfigError:
+                raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid; use fp32, "
+                                  "bf16, fp16 or null (the precision's)") from None
+            if self.precision != "auto":  # "auto" resolves on each rank; the Accelerator checks
+                # One line here, not one traceback per rank after the launch.
+                check_fp16_reduction(wire, loss_scaled=self.precision == "fp16-mixed",
+                                     precision=self.precision)
         for name in ("nproc", "global_batch_size", "micro_batch_size", "max_steps",
                      "max_epochs", "eval_every", "checkpoint_every", "system_metrics_every"):
             value = getattr(self, name)

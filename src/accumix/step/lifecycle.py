@@ -18,14 +18,16 @@ if TYPE_CHECKING:
 
 
 def check_same_config(run: RunState) -> None:
-    """Every rank was launched with the same strategy, precision, batch sizes and scaler."""
-    mine = (type(run.strategy).__name__, run.policy.name, run.batch_sizes,
-            type(run.strategy.scaler).__name__)
+    """Every rank was launched with the same strategy, precision (and reduce dtype), batch
+    sizes and scaler."""
+    mine = (type(run.strategy).__name__, run.policy.name, str(run.policy.reduce_dtype),
+            run.batch_sizes, type(run.strategy.scaler).__name__)
     every = run.strategy.all_gather_object(mine)
     if any(other != mine for other in every):
         diff = {r: cfg for r, cfg in enumerate(every) if cfg != every[0]}
         raise ConfigError(
-            f"ranks disagree on (strategy, precision, batch sizes, scaler): rank 0 has "
+            f"ranks disagree on (strategy, precision, reduce dtype, batch sizes, scaler): rank "
+            f"0 has "
             f"{every[0]}, others {diff}; launch every rank with the same settings"
         )
 

@@ -58,6 +58,8 @@ def setup(run: RunState, objects: tuple[Any, ...]) -> Any:
         run.strategy.set_batch_geometry(micro_batch_size=micro,
                                         grad_accum_steps=run.grad_accum_steps)
         wrapped, opts = run.strategy.setup(model, owned)
+        if not run.models:  # the strategy is final now ("auto" chose at this model)
+            log.info(run.strategy.effective_dtypes().describe())
         if compiler is not None:
             wrapped = run.strategy.compile_module(wrapped, compiler)
         run.models.append(wrapped)

@@ -20,6 +20,8 @@ from torch.optim import Optimizer
 from accumix.errors import ConfigError
 from accumix.precision import LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.precision.policy import dtype_name
+from accumix.precision.reduce_dtype import EffectiveDtypes, check_fp16_reduction
 from accumix.runtime.env import LaunchEnv
 from accumix.step.accumulation import rescale_grads_
 from accumix.step.compile import Compiler
@@ -38,6 +40,10 @@ class Strategy:
     """
 
     name = "base"
+    # Whether the strategy communicates gradients in ``policy.reduce_dtype`` whatever their own
+    # dtype. One that does not reduces them as they are (in the parameters' dtype): another
+    # reduce dtype is refused at ``connect``, never silently ignored.
+    honours_reduce_dtype = False
 
     def __init__(self) -> None:
         self.launch = LaunchEnv()
@@ -50,8 +56,47 @@ class Strategy:
     def connect(
         self, *, launch: LaunchEnv, device: torch.device, policy: Policy, scaler: LossScaler
     ) -> None:
-        """Called once by the Accelerator, before any ``setup``."""
+        """Called once by the Accelerator, before any ``setup``.
+
+        Raises:
+            ConfigError: the policy's ``reduce_dtype`` is one this strategy cannot reduce in.
+        """
         self.launch, self.device, self.policy, self.scaler = launch, device, policy, scaler
+        self.check_reduce_dtype()
+
+    def check_reduce_dtype(self) -> None:
+        """Refuses a ``reduce_dtype`` the strategy would ignore (one process reduces nothing),
+        and fp16 on the wire where no loss scale runs.
+
+        Raises:
+            ConfigError: the gradients would travel in another dtype than the one asked for,
+                or could overflow fp16 with nothing to recover.
+        """
+        policy = self.policy
+        assert policy is not None
+        check_fp16_reduction(dtype_name(policy.reduce_dtype),
+                             loss_scaled=policy.needs_loss_scaling, precision=policy.name)
+        if (self.world_size > 1 and not self.honours_reduce_dtype
+                and policy.reduce_dtype != policy.param_dtype):
+            raise ConfigError(
+                f"strategy {self.name!r} reduces gradients in their own dtype "
+                f"({dtype_name(policy.param_dtype)}), not reduce_dtype="
+                f"{dtype_name(policy.reduce_dtype)!r}; use reduce_dtype=None, or strategy "
+                "'ddp', 'zero1', 'fsdp' or 'deepspeed'")
+
+    def effective_dtypes(self) -> EffectiveDtypes:
+        """The dtypes this strategy really uses under its policy (the startup line, trackers).
+
+        The replicated default: parameters stored and stepped in ``param_dtype``, gradients
+        summed by autograd in it during the window, reduced in ``reduce_dtype`` once per window.
+        """
+        policy = self.policy
+        assert policy is not None
+        params = dtype_name(policy.param_dtype)
+        return EffectiveDtypes(
+            params=params, compute=dtype_name(policy.compute_dtype), accumulation=params,
+            reduction=dtype_name(policy.reduce_dtype) if self.world_size > 1 else "none",
+            masters=params)
 
     # -- world -------------------------------------------------------------------------------
     @property

@@ -7,7 +7,6 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -16,6 +15,7 @@ from accumix.errors import ConfigError
 from accumix.step.compile import Compiler
 from accumix.strategies.base import Strategy
 from accumix.strategies.ddp_reducer_turns import ReducerTurns
+from accumix.strategies.reduce_hook import reduce_in_dtype_, register_reduce_dtype_hook
 
 
 class DDPStrategy(Strategy):
@@ -23,6 +23,9 @@ class DDPStrategy(Strategy):
 
     Off-boundary micro-steps run under ``DDP.no_sync()``, so a window of K micro-steps costs one
     all-reduce of the gradients. On one process the model is not wrapped (same maths, no DDP).
+    Gradients travel in the policy's ``reduce_dtype``: where it differs from theirs, a
+    communication hook casts each bucket for the all-reduce and back (``reduce_hook``); the
+    window is summed in ``param.grad`` before, in the parameters' dtype.
 
     Args:
         find_unused_parameters: DDP's flag, for models whose forward skips parameters.
@@ -37,6 +40,7 @@ class DDPStrategy(Strategy):
     """
 
     name = "ddp"
+    honours_reduce_dtype = True
 
     def __init__(
         self,
@@ -56,6 +60,7 @@ class DDPStrategy(Strategy):
         }
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        self._wrapped: set[int] = set()  # ids of the parameters inside a DDP-wrapped model
         self._turns = ReducerTurns()  # which backward calls DDP's reducer reduced
 
     def probe_settings(self) -> dict[str, Any]:
@@ -74,8 +79,19 @@ class DDPStrategy(Strategy):
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+            self._wrapped.update(id(p) for p in model.parameters())
+            if self._wire_dtype(model) is not None:
+                register_reduce_dtype_hook(model, self._wire_dtype(model), self.world_size)
             self._turns.watch(model)
         return model, optimizers
+
+    def _wire_dtype(self, model: nn.Module) -> torch.dtype | None:
+        """The reduce dtype where it differs from the gradients' (the parameters'), else None:
+        then DDP's own C++ all-reduce runs, exactly as without accumix."""
+        assert self.policy is not None
+        grads = {p.dtype for p in model.parameters() if p.requires_grad}
+        wire = self.policy.reduce_dtype
+        return None if grads <= {wire} else wire
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
@@ -89,9 +105,26 @@ class DDPStrategy(Strategy):
         return model
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        if self.ddp_kwargs["static_graph"]:  # on any world size: the same job fails on two
+            raise ConfigError(
+                f"{type(self).__name__}(static_graph=True) cannot run a micro-step without its "
+                "all-reduce (grad_accum_steps > 1, micro_batch_size='auto'): torch's reducer "
+                "asserts under no_sync (pytorch#143580); use static_graph=False")
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
+
+    def finalize_gradients(self, params: list[nn.Parameter], factor: float | torch.Tensor
+                           ) -> torch.Tensor | None:
+        """Also averages the gradients of the optimizer's parameters that no DDP model holds
+        (a loss weight or temperature kept outside the model): DDP never reduces them, and each
+        rank would step its own."""
+        if self._wrapped:
+            assert self.policy is not None
+            outside = [p for p in params if p.requires_grad and id(p) not in self._wrapped]
+            if outside:
+                average_grads_(outside, self.world_size, self.policy.reduce_dtype)
+        return super().finalize_gradients(params, factor)
 
     def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
         self._turns.backward(loss)
@@ -103,16 +136,21 @@ class DDPStrategy(Strategy):
 
     def reduce_deferred_grads(self, model: nn.Module) -> None:
         """What DDP's synced backward would have done, once: every gradient of the model
-        averaged over the ranks, in one flat all-reduce per gradient dtype."""
+        averaged over the ranks, in one flat all-reduce per gradient dtype, in the wire dtype
+        the hook uses (after a second backward through one synced forward, the part the hook
+        reduced already is averaged again: exact, DDP's average being linear, but with a
+        16-bit wire it rounds twice in that window)."""
         if isinstance(model, DistributedDataParallel):
-            average_grads_(
-                [p for p in model.parameters() if p.requires_grad], self.world_size)
+            average_grads_([p for p in model.parameters() if p.requires_grad], self.world_size,
+                           self._wire_dtype(model))
             self._turns.mark_reduced(model)
 
 
-def average_grads_(params: list[nn.Parameter], world_size: int) -> None:
+def average_grads_(params: list[nn.Parameter], world_size: int,
+                   wire_dtype: torch.dtype | None = None) -> None:
     """Averages the parameters' gradients over the ranks in place, as DDP's default hook does
-    (each rank's divided by the world, then summed), in one all-reduce per (device, dtype).
+    (each rank's divided by the world, then summed), in one all-reduce per (device, dtype);
+    the sum taken in ``wire_dtype`` when given (as the communication hook takes it).
 
     A gradient that some rank lacks (a parameter unused there) counts as zero, as in DDP with
     ``find_unused_parameters``; one that no rank has stays None. Which ranks had it travels in
@@ -126,8 +164,7 @@ def average_grads_(params: list[nn.Parameter], world_size: int) -> None:
                   ).reshape(-1) for p in group]
         present = torch.tensor([float(p.grad is not None) for p in group], dtype=dtype,
                                device=device)
-        flat = torch.cat([*parts, present]).div_(world_size)
-        dist.all_reduce(flat)
+        flat = reduce_in_dtype_(torch.cat([*parts, present]), wire_dtype or dtype, world_size)
         values = flat[:-len(group)].split([part.numel() for part in parts])
         for p, value, anywhere in zip(group, values, flat[-len(group):].tolist(), strict=True):
             if p.grad is not None:

@@ -61,6 +61,8 @@ from torch.optim import Optimizer
 from accumix.errors import AccumixError, ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
+from accumix.precision.policy import dtype_name
+from accumix.precision.reduce_dtype import EffectiveDtypes
 from accumix.step.accumulation import rescale_grads_
 from accumix.step.compile import Compiler, reporting_failures
 from accumix.strategies import deepspeed_probe, deepspeed_state
@@ -121,6 +123,7 @@ class DeepSpeedStrategy(Strategy):
     """
 
     name = "deepspeed"
+    honours_reduce_dtype = True  # communication_data_type
 
     def __init__(self, *, stage: int = 2, config: dict[str, Any] | str | Path | None = None,
                  hpz: str | int | None = None) -> None:
@@ -159,6 +162,20 @@ class DeepSpeedStrategy(Strategy):
             self.scaler = EngineLossScale(scaler, self._engines)
         else:
             self.scaler = NoLossScale()
+
+    def effective_dtypes(self) -> EffectiveDtypes:
+        """Under a half precision the engine stores the module in it, keeps float32 masters
+        and sums the window in float32; stage 1 reduces once per window, stages 2 and 3 on
+        every micro-step (each backward's reduce-scatter, added into float32 partitions)."""
+        assert self.policy is not None
+        half = self.policy.half_dtype
+        stored = dtype_name(half) if half is not None else "float32"
+        return EffectiveDtypes(
+            params=stored, compute=dtype_name(self.policy.compute_dtype),
+            accumulation="float32", masters="float32",
+            reduction=dtype_name(self.policy.reduce_dtype) if self.world_size > 1 else "none",
+            reductions="once per optimizer step" if self.stage == 1 else
+            f"every micro-step: ZeRO stage {self.stage} reduces each backward")
 
     @property
     def loss_scale(self) -> float | None:

@@ -17,8 +17,10 @@ import torch
 
 from accumix.errors import ConfigError
 from accumix.precision import DynamicLossScale, Policy
+from accumix.precision.policy import dtype_name
 
 INSTALL_HINT = "pip install 'accumix[deepspeed]'"
+_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # DeepSpeed's dtype words
 
 
 def import_deepspeed() -> Any:
@@ -95,7 +97,11 @@ def deepspeed_config(
         micro_batch_size: samples per forward on one rank; None: 1 (DeepSpeed requires a value;
             only its sample counters and its own dataloader read it).
         dp_world_size: data-parallel ranks.
-        policy: the precision; fp16 compute gives the fp16 block, bf16 the bf16 block.
+        policy: the precision; fp16 compute gives the fp16 block, bf16 the bf16 block; its
+            ``reduce_dtype`` is ``communication_data_type`` (DeepSpeed's own default is the
+            half dtype), and a half precision accumulates the window in float32
+            (``data_types.grad_accum_dtype``; DeepSpeed's default, the half dtype, diverged in
+            its #2768).
         loss_scale: the fp16 settings (None: ``DynamicLossScale()`` defaults).
         user_config: a dict or a JSON file path, merged over the defaults.
         hpz_partition_size: ZeRO++'s secondary partition (``DeepSpeedStrategy(hpz=)``).
@@ -121,7 +127,11 @@ def deepspeed_config(
         "gradient_clipping": (0.0, "acc.clip_grad_norm_ (accumix clips)"),
         "fp16.enabled": (half == torch.float16, f"precision={policy.name!r}"),
         "bf16.enabled": (half == torch.bfloat16, f"precision={policy.name!r}"),
+        "communication_data_type": (_WORDS[dtype_name(policy.reduce_dtype)],
+                                    "reduce_dtype (the precision's by default)"),
     }
+    if half is not None:
+        fixed["data_types.grad_accum_dtype"] = ("fp32", "the window summed in float32")
     if hpz_partition_size is not None:
         fixed["zero_optimization.zero_hpz_partition_size"] = (hpz_partition_size,
                                                               "DeepSpeedStrategy(hpz=)")

@@ -4,6 +4,7 @@ sharded over the ranks, whole blocks all-gathered around their forward and backw
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -20,8 +21,13 @@ from torch.utils.checkpoint import checkpoint
 
 from accumix.errors import ConfigError
 from accumix.memory.param_counts import repeated_blocks
+from accumix.precision import LossScaler, Policy
+from accumix.precision.policy import dtype_name
+from accumix.precision.reduce_dtype import EffectiveDtypes
+from accumix.runtime.env import LaunchEnv
 from accumix.step.compile import Compiler
 from accumix.strategies.base import Strategy, grad_mark
+from accumix.strategies.fsdp_reduce import NarrowedReduction
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_units
 
@@ -41,12 +47,18 @@ class FSDPStrategy(Strategy):
     ``state_dict`` keys unchanged; ``acc.save_model`` gathers the full state dict to rank 0.
 
     Accumulation: off the boundary, ``set_requires_gradient_sync(False)`` keeps each rank's
-    gradients local and *unsharded* (the full model's gradients on every rank, summed by
-    autograd), and the boundary's backward reduce-scatters the window once: 1 gradient
-    reduction per optimizer step, but gradient memory of DDP during the window.
-    ``sync_each_microstep=True`` instead reduce-scatters every micro-step into the sharded
-    gradients: only 1/W of the gradients stay between micro-steps (the memory ZeRO-2/3 promise),
-    for K times the gradient traffic. Both give the same result.
+    gradients local and *unsharded* (the full model's gradients on every rank, summed in the
+    stored parameters' dtype, float32 under the mixed precisions), and the boundary's backward
+    reduce-scatters the window once: 1 gradient reduction per optimizer step, but gradient
+    memory of DDP during the window. ``sync_each_microstep=True`` instead reduce-scatters every
+    micro-step into the sharded gradients: only 1/W of the gradients stay between micro-steps
+    (the memory ZeRO-2/3 promise), for K times the gradient traffic. Both give the same result
+    in float32; with a 16-bit ``reduce_dtype`` the first rounds on the wire once per optimizer
+    step, ``sync_each_microstep`` K times (the shards still sum in float32).
+
+    Reduction: in the policy's ``reduce_dtype`` (``Accelerator(reduce_dtype=)``). One narrower
+    than the stored parameters (bf16 or fp16 under the mixed precisions) is cast from the
+    window's float32 sum at the reduction only, pre-divided by the world (``fsdp_reduce``).
 
     On one process nothing is sharded (the model trains as with ``"single"``).
 
@@ -60,7 +72,8 @@ class FSDPStrategy(Strategy):
         parallelize_fn: ``fn(model, mesh) -> model`` applying ``fully_shard`` itself
             (torchtitan style), instead of ``wrap``; mixed precision is then its own business.
         reduce_dtype: dtype of the gradient reduce-scatter; None takes the precision policy's
-            (float32, except bfloat16 for ``"bf16-true"``).
+            (``Accelerator(reduce_dtype=)``; else float32, bfloat16 for ``"bf16-true"``).
+            Given here and to the Accelerator, they must agree.
         sync_each_microstep: reduce-scatter on every micro-step (see above).
         activation_checkpointing: recompute each wrapped block's activations in backward
             (``torch.utils.checkpoint``, non-reentrant) instead of storing them.
@@ -71,6 +84,7 @@ class FSDPStrategy(Strategy):
     """
 
     name = "fsdp"
+    honours_reduce_dtype = True
 
     def __init__(
         self,
@@ -109,6 +123,33 @@ class FSDPStrategy(Strategy):
         self.activation_checkpointing = activation_checkpointing
         self.mesh: DeviceMesh | None = None
         self._units: dict[int, list[FSDPModule]] = {}  # id(root) -> its FSDP units
+        self._narrowed: dict[int, NarrowedReduction] = {}  # id(root) -> its narrower wire
+
+    def connect(self, *, launch: LaunchEnv, device: torch.device, policy: Policy,
+                scaler: LossScaler) -> None:
+        # FSDPStrategy(reduce_dtype=) is the policy's reduce dtype from here on (the façade
+        # refuses one that contradicts its own reduce_dtype=).
+        if self.reduce_dtype is not None:
+            policy = dataclasses.replace(policy, reduce_dtype=self.reduce_dtype)
+        super().connect(launch=launch, device=device, policy=policy, scaler=scaler)
+
+    def effective_dtypes(self) -> EffectiveDtypes:
+        """Stored and stepped in ``param_dtype``, gathered for compute in ``compute_dtype``; the
+        window summed in the accumulation dtype (``_accumulation_dtype``), or in the sharded
+        gradients (``param_dtype``) under ``sync_each_microstep``, which reduces K times."""
+        dtypes = super().effective_dtypes()
+        if self.sync_each_microstep and self.world_size > 1:
+            return dataclasses.replace(dtypes, reductions="every micro-step: sync_each_microstep")
+        return dataclasses.replace(dtypes, accumulation=dtype_name(self._accumulation_dtype()))
+
+    def _accumulation_dtype(self) -> torch.dtype:
+        """What FSDP2 sums a unit's unsharded gradients in between reductions: its policy's
+        ``reduce_dtype``, or the gradients' own (the gathered ``compute_dtype``) where equal.
+        The wider of the stored and the reduce dtype: float32 under the mixed precisions
+        whatever the wire (a narrower wire is cast at the reduction only, ``fsdp_reduce``)."""
+        assert self.policy is not None
+        stored, wire = self.policy.param_dtype, self.policy.reduce_dtype
+        return stored if _itemsize(wire) < _itemsize(stored) else wire
 
     # -- setup -------------------------------------------------------------------------------
     def setup(
@@ -135,6 +176,11 @@ class FSDPStrategy(Strategy):
         if not units:
             raise ConfigError("parallelize_fn returned a model without any fully_shard unit; "
                               "call fully_shard(module, mesh=mesh) inside it")
+        assert self.policy is not None
+        if self._accumulation_dtype() != self.policy.reduce_dtype:  # a narrower wire
+            self._narrowed[id(model)] = NarrowedReduction(
+                model, units, self.policy.reduce_dtype, self._accumulation_dtype(),
+                self.dp_world_size)
         self._units[id(model)] = units
         agree_buffers_after_forward(model, model, self.broadcast)
         new_params = dict(model.named_parameters())
@@ -162,7 +208,9 @@ class FSDPStrategy(Strategy):
         # Gathered in the compute dtype; a unit whose stored dtype is already that casts nothing
         # but still casts floating inputs to it (bf16-true takes float32 batches).
         param_dtype = policy.compute_dtype
-        reduce_dtype = self.reduce_dtype or policy.reduce_dtype
+        # The window is summed in this dtype; a narrower reduce dtype is applied to the
+        # reduction alone afterwards (setup, fsdp_reduce).
+        reduce_dtype = self._accumulation_dtype()
         # Only the root casts its outputs back (to float32 for the loss); blocks hand the compute
         # dtype to each other without a round trip.
         inner = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -221,7 +269,8 @@ class FSDPStrategy(Strategy):
         """Also the unsharded gradients FSDP2 keeps off the boundary (on its unsharded
         parameters, or upcast beside them), which a later boundary would reduce; and FSDP2's
         per-iteration state after a probe an error stopped mid-forward or mid-backward
-        (``reset_iter_state``: reshards, forgets the forward order; no collective)."""
+        (``reset_iter_state``: reshards, forgets the forward order; no collective), on a root
+        whose forward has run."""
         super().clear_gradients(model)
         for unit in self.probe_units(model):
             if not isinstance(unit, FSDPModule):
@@ -231,7 +280,10 @@ class FSDPStrategy(Strategy):
                     fp.unsharded_accumulated_grad = None
                     if hasattr(fp, "_unsharded_param"):
                         fp._unsharded_param.grad = None
-        if isinstance(model, FSDPModule):
+        # Only a root whose forward ran has iteration state (lazily made at its first
+        # forward): a probe stopped inside another model never ran this one, and resetting it
+        # raised FSDP's AttributeError (no all_gather_state).
+        if isinstance(model, FSDPModule) and model._get_fsdp_state()._is_root:
             model.reset_iter_state()
 
     def reduce_deferred_grads(self, model: nn.Module) -> None:
@@ -321,6 +373,10 @@ def _gradient_sync_off(units: list[FSDPModule]) -> Iterator[None]:
     finally:
         for unit in units:
             unit.set_requires_gradient_sync(True, recurse=False)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _tied_outside(model: nn.Module, block: nn.Module) -> bool:

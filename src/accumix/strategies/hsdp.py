@@ -13,6 +13,7 @@ partial accumulator, and the boundary's backward adds it and all-reduces the sum
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from typing_extensions import override
 from accumix.common.launch_env import LaunchEnv
 from accumix.errors import ConfigError
 from accumix.precision import LossScaler, Policy
+from accumix.precision.reduce_dtype import EffectiveDtypes
 from accumix.strategies.base import grad_mark
 from accumix.strategies.fsdp import FSDPStrategy, ParallelizeFn, _gradient_sync_off
 from accumix.strategies.node_groups import check_groups_within_nodes, mesh_shape
@@ -118,7 +120,24 @@ class HSDPStrategy(FSDPStrategy):
             return contextlib.nullcontext()
         if self.defer_reduce_scatter:
             return _gradient_sync_off(units)
-        return _all_reduce_off(units)
+        narrowed = self._narrowed.get(id(model))
+        if narrowed is None:
+            return _all_reduce_off(units)
+        stack = contextlib.ExitStack()  # a 16-bit wire: the partial shards sum in float32
+        stack.enter_context(_all_reduce_off(units))
+        stack.enter_context(narrowed.partial_sums())
+        return stack
+
+    @override
+    def effective_dtypes(self) -> EffectiveDtypes:
+        """fsdp's, and where the intra-node reduce-scatter runs every micro-step (the
+        default), said so: its shards are summed in float32 and the cross-node all-reduce
+        runs once per optimizer step."""
+        dtypes = super().effective_dtypes()
+        if self.defer_reduce_scatter or self.world_size == 1:
+            return dtypes
+        return dataclasses.replace(dtypes, reductions="reduce-scatter inside a node every "
+                                   "micro-step, all-reduce across nodes once per optimizer step")
 
     @override
     def piece_sync(self, model: nn.Module | None, *, boundary: bool, last: bool

@@ -1,5 +1,6 @@
 """The facts of a run that trackers keep as parameters: backend, strategy and precision as
-resolved, world size, batch geometry (micro-batch, K, global batch) and versions."""
+resolved, the effective dtypes (params, compute, gradient accumulation, reduction, optimizer
+masters), world size, batch geometry (micro-batch, K, global batch) and versions."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def run_facts(trainer: Trainer) -> dict[str, Any]:
         "precision": acc.policy.name,
         "world_size": acc.world_size,
         **batch_geometry(trainer),
+        # The dtypes the strategy really runs (dtype_params, dtype_reduction, ...); a backend
+        # without the statement yet contributes none.
+        **(dtypes.as_params() if (dtypes := getattr(acc, "effective_dtypes", None)) else {}),
         "accumix_version": accumix.__version__,
         "python_version": platform.python_version(),
     }

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,9 +50,9 @@ StepFn = Callable[[nn.Module, Any], Any]
 
 
 def default_step(model: nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, else
-    ``model(batch)``."""
-    if isinstance(batch, dict):
+    """``model(**batch)`` for a Mapping (a dict, a tokenizer's ``BatchEncoding``, which is a
+    ``UserDict``), ``model(*batch)`` for a tuple or list, else ``model(batch)``."""
+    if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)
@@ -189,7 +189,8 @@ class TorchSteps:
                     acc.backward(loss)
                 else:
                     acc.backward(loss, num_items=num_items)
-            meter.add(loss, num_items, batch_samples(batch))
+            meter.add(loss, num_items,
+                      batch_samples(batch, self.train_loader.rows_of(batch)))
             trainer.dispatch("on_after_backward")
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(trainer.grad_clip or math.inf)

@@ -1,0 +1,116 @@
+"""``micro_batch_size="auto"`` measures the steady state a run reaches (issue 28, cases 1, 2, 5):
+the chosen size then trains several windows under the limit, with a peak within 10% of the
+probe's, whether the parameters' states and gradients (AdamW) or the activations fill the
+memory; the probe's own copy of the parameters is not counted; a BatchNorm model that refuses
+one row keeps the CPU bound on what is run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import accumix as ax
+from accumix.memory.micro_batch_probe import measure
+from accumix.memory.peak_memory import PeakMeter
+
+GLOBAL, MB = 24, 10**6  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
+
+
+class Dense(nn.Module):
+    """A 2048 x 2048 layer (16.8 MB: its gradients and optimizer states weigh as much as the
+    activations) and ``width`` x 8 KB of activations a row."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(64, 2048)
+        self.big = nn.Linear(2048, 2048)
+        self.register_buffer("ones", torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.big(torch.tanh(self.inp(x)))
+        return (h.unsqueeze(-1) * self.ones).square().mean()
+
+
+def _choose_then_train(width: int, optimizer: type[torch.optim.Optimizer], limit: int
+                       ) -> tuple[ax.Accelerator, int]:
+    """auto under ``limit``, then three windows of the chosen size: (acc, the run's peak)."""
+    data = TensorDataset(torch.randn(3 * GLOBAL, 64, generator=torch.Generator().manual_seed(1)))
+    acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", memory_limit=limit,
+                         precision="fp32")
+    net = Dense(width)
+    model, opt = acc.setup(net, optimizer(net.parameters()))
+    acc.find_micro_batch_size(model, lambda n: torch.randn(n, 64))
+    loader = acc.setup(DataLoader(data, batch_size=2))
+    meter = PeakMeter(acc.device)
+    with meter.measure():
+        for (x,) in loader:
+            with acc.accumulate():
+                acc.backward(model(x))
+                opt.step()
+                opt.zero_grad()
+    assert acc.optimizer_steps == 3
+    return acc, meter.peak
+
+
+# (activation width, optimizer, limit in MB) -> the choice; before: the probe held no states
+# and no accumulated gradients while a micro-step's activations were alive (AdamW at 200 MB
+# chose 12, whose run peaked at 212.6 MB), and it counted its own 16.8 MB copy of the
+# parameters (AdamW at 150 MB and SGD at 60 MB: "not even a micro-batch of 1 fits", where 4 and
+# 24 run at 128.6 and 52.2 MB). SGD at 60 MB: only 24 fits (K=1 holds no accumulator).
+CASES = [(256, torch.optim.AdamW, 200, 8), (256, torch.optim.AdamW, 150, 4),
+         (16, torch.optim.SGD, 60, 24)]
+
+
+@pytest.mark.parametrize(("width", "optimizer", "limit_mb", "chosen"), CASES)
+def test_the_chosen_size_trains_under_the_limit_at_the_probed_peak(
+        width: int, optimizer: type[torch.optim.Optimizer], limit_mb: int, chosen: int) -> None:
+    acc, peak = _choose_then_train(width, optimizer, limit_mb * MB)
+    choice = acc.micro_batch_choice
+    print(f"{optimizer.__name__} {limit_mb} MB: chose {choice.micro_batch_size}, probe "
+          f"{choice.peak_bytes / MB:.1f} MB, run {peak / MB:.1f} MB")
+    assert choice.micro_batch_size == chosen
+    assert peak <= 0.9 * limit_mb * MB  # the run stays inside the budget the probe kept
+    assert abs(peak / choice.peak_bytes - 1) < 0.1
+
+
+def test_the_next_size_up_does_not_fit() -> None:
+    """The choices above are the largest: the next candidate's steady state is over budget."""
+    acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", precision="fp32")
+    net = Dense(256)
+    model, _ = acc.setup(net, torch.optim.AdamW(net.parameters()))
+    for size, limit_mb in ((12, 200), (6, 150)):
+        meter = measure(acc._run, model, lambda n: torch.randn(n, 64), size)
+        assert meter is not None and meter.peak > 0.9 * limit_mb * MB, (size, meter.peak)
+
+
+class Normed(nn.Module):
+    """BatchNorm (refuses a batch of one row in training) and 1024 x 4 bytes a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(64, 64)
+        self.norm = nn.BatchNorm1d(64)
+        self.scale = nn.Parameter(torch.randn(1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.norm(self.lin(x))).unsqueeze(-1) * self.scale).square().mean()
+
+
+def test_cpu_bound_holds_when_one_row_raises() -> None:
+    """960 rows a rank (28 candidates), 60 MB: 40 fits. The peaks of 2 and 3 rows predict the
+    rest (before: only 1 and 2 could, 1 raised, and bisection ran 120 rows, 3x the answer); no
+    size predicted past twice the budget is run."""
+    acc = ax.Accelerator(global_batch_size=960, micro_batch_size="auto", memory_limit=60 * MB,
+                         precision="fp32")
+    net = Normed()
+    model, _ = acc.setup(net, torch.optim.AdamW(net.parameters()))
+    asked: list[int] = []
+    chosen = acc.find_micro_batch_size(model, lambda n: asked.append(n) or torch.randn(n, 64))
+    print(f"asked {asked}")
+    assert chosen == 40
+    assert asked[:4] == [1, 1, 2, 3]  # the key's one-row batch, then 1 (raised), 2 and 3
+    assert max(asked) <= 2 * chosen
