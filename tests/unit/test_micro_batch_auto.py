@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,15 @@ import accumix as ax
 from accumix.errors import ConfigError
 from accumix.memory.micro_batch_cache import CACHE_FILE
 from accumix.memory.micro_batch_probe import _far_over, measure
+from tests.frozen_heap import frozen_heap
 
 GLOBAL = 24  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
+
+
+@pytest.fixture(autouse=True)
+def _frozen_heap() -> Iterator[None]:
+    with frozen_heap():  # the probes' garbage passes see this test's objects only
+        yield
 
 
 class Wide(nn.Module):
