@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,10 +17,14 @@ from torch.utils.data import DataLoader
 
 import accumix as ax
 from accumix.memory.model import estimate_memory
+from accumix.testing import spawn
 from tests import workloads as w
 from tests.distributed.test_sharded import Net
 from tests.frozen_heap import frozen_heap
 from tests.scripts.resumable_train import params
+
+if TYPE_CHECKING:
+    import pytest
 
 TOL = 1e-6
 NODES, WORLD = 2, 4
@@ -342,8 +347,26 @@ def four_rank_job(run_dir: str) -> dict[str, Any]:
     out["straight"] = resume_run(ax.HSDPStrategy(), save=run_dir)
     for name, strategy in (("hsdp", ax.HSDPStrategy()), ("fsdp", "fsdp"), ("ddp", "ddp")):
         out[f"resumed/{name}"] = resume_run(strategy, load=run_dir)
+    # test_reduce_dtype_error's checks: the same 4 ranks as 2 nodes, one spawn for both files
+    from tests.distributed import test_reduce_dtype_error as reduce_error
+
+    out["reduce"] = reduce_error.job()
     out["two ranks"] = _on_two_ranks(run_dir)
     return out
+
+
+_RESULTS: list[tuple[list[dict[str, Any]], Path]] = []
+
+
+def results(tmp: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    """Each rank's ``four_rank_job`` result and its run directory: one spawn a session, which
+    ``test_hsdp`` and ``test_reduce_dtype_error`` share (a 4-rank spawn and its imports cost
+    tens of seconds on 2 cores)."""
+    if not _RESULTS:
+        run_dir = tmp.mktemp("hsdp") / "run"
+        _RESULTS.append((spawn(four_rank_job, WORLD, args=(str(run_dir),), nodes=NODES,
+                               timeout=1500), run_dir))
+    return _RESULTS[0]
 
 
 def _on_two_ranks(run_dir: str) -> dict[str, Any] | None:

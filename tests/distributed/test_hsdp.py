@@ -22,15 +22,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from accumix.testing import spawn
 from tests.distributed import hsdp_jobs as jobs
-from tests.distributed.hsdp_jobs import NODES, TOL, WORLD
+from tests.distributed.hsdp_jobs import TOL, WORLD
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    run_dir = tmp_path_factory.mktemp("hsdp") / "run"
-    return spawn(jobs.four_rank_job, WORLD, args=(str(run_dir),), nodes=NODES, timeout=600), run_dir
+    return jobs.results(tmp_path_factory)  # the spawn test_reduce_dtype_error shares
 
 
 def test_hsdp_equals_the_large_batch_and_replicas_agree(four_ranks) -> None:
