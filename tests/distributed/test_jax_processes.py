@@ -96,6 +96,9 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     (resharded,) = _results(tmp_path, "reshard")
     assert (resharded["processes"], resharded["devices"], resharded["loaded_step"]) == (1, 1, 2)
     assert resharded["max_diff"] < 1e-6
+    # Issue 32 item 4: hsdp saved on 2 processes (2 nodes of 2 devices) resumes on one.
+    assert resharded["hsdp_loaded_step"] == 1
+    assert resharded["hsdp_resumed_diff"] < 1e-6, resharded["hsdp_resumed_diff"]
 
 
 def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: Path) -> None:

@@ -28,6 +28,11 @@ import accumix.jax as axj
 from accumix.jax.memory import estimate_jax_memory
 
 K, WIDTH, ROWS = 16, 512, 8
+# Every step here is compiled for ``memory_analysis()`` alone, never run: LLVM's optimization
+# level changes the machine code, not XLA's buffer assignment (every job's argument, temporary,
+# output and alias bytes are equal at levels 0 and 3), and level 0 compiles in about half the
+# time on a CPU.
+MEMORY_ONLY = {"xla_backend_optimization_level": 0}
 
 
 def params(layers: int, scan: bool = False) -> dict:
@@ -90,7 +95,7 @@ def plain_activations(layers: int, kind: str) -> int:
     p, loss_fn, micro, _ = job_of(layers, kind)
     rows = micro(GPT_ROWS if kind.startswith("gpt") else ROWS)
     grad = jax.jit(jax.grad(lambda q: loss_fn(q, rows, jax.random.key(0))))
-    return int(grad.lower(jax.tree.map(jnp.asarray, p)).compile().memory_analysis()
+    return int(grad.lower(jax.tree.map(jnp.asarray, p)).compile(MEMORY_ONLY).memory_analysis()
                .temp_size_in_bytes)
 
 
@@ -106,7 +111,7 @@ def measure(word: str, precision: str, layers: int, kind: str = "") -> dict[str,
     step = acc.train_step(loss_fn)
     rows = (GPT_ROWS if kind.startswith("gpt") else ROWS) * acc.local_devices
     window = acc.window([micro(rows) for _ in range(k)])
-    stats = step.lower(state, window).compile().memory_analysis()
+    stats = step.lower(state, window).compile(MEMORY_ONLY).memory_analysis()
     window_bytes = sum(x.nbytes for x in jax.tree.leaves(window.batch))
     unstacked = p if kind == "gpt" else params(layers) if kind in ("", "scan") else (
         job_of(layers, "gpt")[0])

@@ -167,7 +167,32 @@ def strategy_objects() -> dict[str, axj.JaxStrategy]:
             "hsdp": axj.HSDPStrategy()}  # replicas: the 2 processes, as 2 nodes of 2 devices
 
 
-def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStrategy]) -> None:
+def uneven_batches() -> list[dict[str, np.ndarray]]:
+    return w.micro_batches(15, rows=ROWS, seed=17)  # one process's rows each
+
+
+def hsdp_on_one_process(result: dict[str, object], out: Path) -> None:
+    """The hsdp state saved after the uneven job's first window (2 processes as 2 nodes of 2
+    devices) loads into fsdp on one process and device, and its second window (both
+    processes' micro-batches side by side) ends at the large batch of all 15 micro-batches."""
+    import optax
+
+    lr = 0.5
+    batches = uneven_batches()
+    ref = w.init_params()
+    for big in (w.concat(batches[:7]), w.concat(batches[7:])):
+        grads = jax.grad(lambda q, b=big: w.large_batch_loss(q, b, True))(ref)
+        ref = jax.tree.map(lambda q, g: q - lr * g, ref, grads)
+    acc = axj.Accelerator(strategy="fsdp", precision="fp32", grad_accum_steps=4)
+    state = acc.load_state(out / "hsdp-run", acc.setup(w.init_params(), optax.sgd(lr)))
+    result["hsdp_loaded_step"] = int(state.step)
+    window = [w.concat([batches[7 + i], batches[11 + i]]) for i in range(4)]
+    state, _ = acc.train_step(w.item_loss)(state, window)
+    result["hsdp_resumed_diff"] = w.max_diff(state.params, ref)
+
+
+def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStrategy],
+                          out: Path) -> None:
     """Item mode, K=4: process 0 passes 4 micro-batches, process 1 passes 3, then both 4; each
     strategy object made before JAX started. fsdp hung here (a process that skipped its padded
     micro-step missed the gathers and reduce-scatters its peer issued). SGD against the large
@@ -175,7 +200,7 @@ def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStr
     import optax
 
     k, lr = 4, 0.5
-    batches = w.micro_batches(15, rows=ROWS, seed=17)  # one process's rows each
+    batches = uneven_batches()
     p = jax.process_index()
     windows = [batches[:4] if p == 0 else batches[4:7], batches[7:11] if p == 0 else batches[11:]]
     ref = w.init_params()
@@ -187,8 +212,10 @@ def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStr
         acc = axj.Accelerator(strategy=early[name], precision="fp32", grad_accum_steps=k)
         state = acc.setup(w.init_params(), optax.sgd(lr))
         step = acc.train_step(w.item_loss)
-        for window in windows:
+        for i, window in enumerate(windows):
             state, _ = step(state, window)
+            if name == "hsdp" and i == 0:  # issue 32 item 4: resumed on one process (reshard)
+                acc.save_state(out / "hsdp-run", state)
         gathered = jax.tree.map(
             lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
             state.params)
@@ -278,9 +305,11 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
         now = flat(gathered)
         result["bitwise"] = all(np.array_equal(done[k], now[k]) for k in now)
         result["max_diff"] = max(float(np.max(np.abs(done[k] - now[k]))) for k in now)
+        if mode == "reshard":
+            hsdp_on_one_process(result, out)
     if mode == "train" and acc.world_size > 1:
         uneven_and_single(result)
-        uneven_every_strategy(result, early)
+        uneven_every_strategy(result, early, out)
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
     if mode in ("train", "resume") and acc.world_size > 1:
         train_with_loader(out, "loader" if mode == "train" else "loader-resume")

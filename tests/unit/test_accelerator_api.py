@@ -199,3 +199,21 @@ def test_usage_errors() -> None:
     with acc.accumulate(), pytest.raises(ax.AccumixError, match="entered twice"), \
          acc.accumulate():
         pass
+
+
+@pytest.mark.parametrize("strategy", [ax.DDPStrategy, ax.ZeRO1Strategy])
+def test_static_graph_with_accumulation_is_one_line(strategy) -> None:
+    """DDP's reducer asserts (INTERNAL ASSERT, expect_autograd_hooks_) on the first backward
+    under ``no_sync`` with ``static_graph=True``: one line naming what works instead, at the
+    first off-boundary micro-step, on any world size."""
+    acc = ax.Accelerator(precision="fp32", strategy=strategy(static_graph=True),
+                         grad_accum_steps=2)
+    model = acc.setup(nn.Linear(2, 1))
+    with pytest.raises(ax.ConfigError, match=r"static_graph=True\) cannot run a micro-step "
+                       r"without its all-reduce .*use static_graph=False"), acc.accumulate():
+        pass
+    single = ax.Accelerator(precision="fp32", strategy=strategy(static_graph=True))
+    model = single.setup(nn.Linear(2, 1))
+    with single.accumulate():  # K=1: every micro-step reduces, as DDP's static graph needs
+        single.backward(model(torch.ones(1, 2)).sum())
+    assert model.weight.grad is not None

@@ -13,6 +13,7 @@ import optax  # noqa: E402
 
 import accumix.jax as axj  # noqa: E402
 from accumix.jax.memory import estimate_jax_memory  # noqa: E402
+from tests.scripts.jax_fsdp_memory import MEMORY_ONLY  # noqa: E402
 
 WIDTH, K = 512, 4
 
@@ -30,6 +31,27 @@ def carried_loss(p, batch, rng):
     return err + 1e-9 * jnp.sum(p["count"]).astype(jnp.float32)
 
 
+@pytest.fixture
+def compile_once(tmp_path):
+    """A persistent compilation cache in this test's tmp dir: a step the test compiles that is
+    byte for byte the module ``estimate-memory`` or ``auto`` already compiled (the cache key is
+    the module's fingerprint, the compile options and the devices) is read back instead of
+    compiled again; any other step compiles afresh, so the comparison is as independent as
+    before. Reset before and after: JAX reads the setting once per process."""
+    from jax._src import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in names}
+    compilation_cache.reset_cache()
+    for name, value in zip(names, (str(tmp_path / "xla-cache"), 0, -1), strict=True):
+        jax.config.update(name, value)
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
 @pytest.mark.parametrize("word", ["ddp", "fsdp"])
 def test_carried_leaves_count_once_without_gradients_or_optimizer_state(word) -> None:
     """Before: each int/key element was a float32 param with an Adam state and two float32
@@ -40,7 +62,7 @@ def test_carried_leaves_count_once_without_gradients_or_optimizer_state(word) ->
     window = acc.window([{"x": rng.normal(size=(8, WIDTH)).astype(np.float32),
                           "y": rng.normal(size=(8, WIDTH)).astype(np.float32)}
                          for _ in range(K)])
-    stats = acc.train_step(carried_loss).lower(state, window).compile().memory_analysis()
+    stats = acc.train_step(carried_loss).lower(state, window).compile(MEMORY_ONLY).memory_analysis()
     measured = stats.argument_size_in_bytes + stats.temp_size_in_bytes
     window_bytes = sum(x.nbytes for x in jax.tree.leaves(window.batch))
     model = {e.strategy: e for e in estimate_jax_memory(
@@ -79,7 +101,7 @@ def recipe_step_bytes(word: str, precision: str) -> int:
     return int(stats.argument_size_in_bytes + stats.temp_size_in_bytes)
 
 
-def test_estimate_memory_prints_the_jax_recipes_compiled_step(capsys) -> None:
+def test_estimate_memory_prints_the_jax_recipes_compiled_step(capsys, compile_once) -> None:
     """``accumix estimate-memory --backend jax`` for the JAX recipe: activations measured from
     XLA (said in the output), every row within 10% of the real step's ``memory_analysis()``.
     Before: the torch side's activation formula and no window, every row printed as 0.00 GiB;
@@ -102,7 +124,7 @@ def test_estimate_memory_prints_the_jax_recipes_compiled_step(capsys) -> None:
 
 
 def test_auto_decides_on_each_strategys_compiled_step_for_a_flax_transformer(
-        monkeypatch) -> None:
+        monkeypatch, compile_once) -> None:
     """Issue 30: ``strategy="auto"`` sized the params and optimizer state alone (on the 8-layer
     GPT, 0.89x of the compiled step for ddp, 0.57x for fsdp: no activations), so it chose ddp
     where ddp does not fit. With ``acc.setup(..., loss_fn=, batch=)`` each candidate is sized

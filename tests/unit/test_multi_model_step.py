@@ -84,6 +84,18 @@ def test_closure_with_accumulation_or_fp16_is_refused() -> None:
         opt.step(lambda: None)
 
 
+def test_closure_outside_the_accumulate_block_is_refused() -> None:
+    """Before any window, ``step(closure)`` outside ``acc.accumulate()`` returned None and left
+    the weights as they were, where torch steps (found by the review of issue 28)."""
+    model = nn.Linear(2, 1)
+    acc = ax.Accelerator(precision="fp32")
+    opt = acc.setup(model, torch.optim.LBFGS(model.parameters()))[1]
+    before = model.weight.detach().clone()
+    with pytest.raises(ax.AccumixError, match=r"inside `with acc.accumulate\(\):`"):
+        opt.step(lambda: model(torch.ones(1, 2)).sum())
+    assert torch.equal(model.weight, before)
+
+
 @pytest.mark.filterwarnings("ignore:precision='fp16-mixed' on this CPU")
 def test_fp16_item_mode_first_window_divides_by_its_first_count() -> None:
     """Item 8: the first window's hint was 1, so the summed loss overflowed and the first step

@@ -330,6 +330,10 @@ def optimizer_step(run: RunState, optimizer: AcceleratedOptimizer, closure: Any)
     """
     if closure is not None:
         check_closure(run.grad_accum_steps, run.strategy.scaler.enabled)
+        if not run.in_micro_step:  # before any window it was a silent no-op (None, no update)
+            raise AccumixError(
+                "optimizer.step(closure) must be called inside `with acc.accumulate():` "
+                "(the closure's backward is that window's micro-step)")
     if not run.is_boundary:
         return None
     state = optimizer.window_grads

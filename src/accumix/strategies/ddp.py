@@ -105,6 +105,11 @@ class DDPStrategy(Strategy):
         return model
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        if self.ddp_kwargs["static_graph"]:  # on any world size: the same job fails on two
+            raise ConfigError(
+                f"{type(self).__name__}(static_graph=True) cannot run a micro-step without its "
+                "all-reduce (grad_accum_steps > 1, micro_batch_size='auto'): torch's reducer "
+                "asserts under no_sync (pytorch#143580); use static_graph=False")
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
