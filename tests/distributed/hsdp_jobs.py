@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,9 +17,14 @@ from torch.utils.data import DataLoader
 
 import accumix as ax
 from accumix.memory.model import estimate_memory
+from accumix.testing import spawn
 from tests import workloads as w
 from tests.distributed.test_sharded import Net
+from tests.frozen_heap import frozen_heap
 from tests.scripts.resumable_train import params
+
+if TYPE_CHECKING:
+    import pytest
 
 TOL = 1e-6
 NODES, WORLD = 2, 4
@@ -336,14 +342,48 @@ def four_rank_job(run_dir: str) -> dict[str, Any]:
     out["oom"] = _out_of_memory_split()
     out["auto"] = _auto_picks_hsdp()
     out["compiled"] = _compiled()
-    out["micro_batch_auto"] = _micro_batch_auto()
+    with frozen_heap():  # the probes' garbage passes see only this part's objects
+        out["micro_batch_auto"] = _micro_batch_auto()
     out["straight"] = resume_run(ax.HSDPStrategy(), save=run_dir)
     for name, strategy in (("hsdp", ax.HSDPStrategy()), ("fsdp", "fsdp"), ("ddp", "ddp")):
         out[f"resumed/{name}"] = resume_run(strategy, load=run_dir)
+    # test_reduce_dtype_error's checks: the same 4 ranks as 2 nodes, one spawn for both files
+    from tests.distributed import test_reduce_dtype_error as reduce_error
+
+    out["reduce"] = reduce_error.job()
+    out["two ranks"] = _on_two_ranks(run_dir)
     return out
 
 
-def two_rank_job(run_dir: str) -> dict[str, Any]:
+_RESULTS: list[tuple[list[dict[str, Any]], Path]] = []
+
+
+def results(tmp: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    """Each rank's ``four_rank_job`` result and its run directory: one spawn a session, which
+    ``test_hsdp`` and ``test_reduce_dtype_error`` share (a 4-rank spawn and its imports cost
+    tens of seconds on 2 cores)."""
+    if not _RESULTS:
+        run_dir = tmp.mktemp("hsdp") / "run"
+        _RESULTS.append((spawn(four_rank_job, WORLD, args=(str(run_dir),), nodes=NODES,
+                               timeout=1500), run_dir))
+    return _RESULTS[0]
+
+
+def _on_two_ranks(run_dir: str) -> dict[str, Any] | None:
+    """The 2x2 checkpoint resumed by 2 ranks (fsdp: a 1x2 world, ddp: 2x1), in this spawn
+    rather than a second one (a spawn costs seconds a rank): the 4-rank process group ends,
+    ranks 0 and 1 start a world of their own on one node (a new port), ranks 2 and 3 stop."""
+    import torch.distributed as dist
+
+    from accumix.testing import free_port, node_variables
+
+    rank = dist.get_rank()
+    port = torch.tensor([free_port() if rank == 0 else 0])
+    dist.broadcast(port, 0)
+    dist.destroy_process_group()
+    if rank >= 2:
+        return None
+    os.environ.update({**node_variables(rank, 2), "MASTER_PORT": str(int(port.item()))})
     return {name: resume_run(strategy, load=run_dir) for name, strategy in
             (("fsdp 1x2", "fsdp"), ("ddp 2x1", "ddp"))}
 

@@ -8,9 +8,9 @@ numbered node by node are refused; an out-of-memory split at the boundary crosse
 ``micro_batch_size="auto"`` with an out-of-memory backward; the memory model's hsdp row
 against the measured model states; DeepSpeed ZeRO++ ``hpz="node"`` against the large batch
 and resumed bitwise; a checkpoint saved on 2x2 resumes bitwise on 2x2 and on 4 ranks of fsdp
-and ddp. Then 2 ranks resume it under fsdp (a 1x2 world) and ddp (2x1), and this process on
-one. The traffic across nodes, under two ``accumix launch --nnodes 2`` launchers, is in
-``test_hsdp_launch.py``.
+and ddp. Then ranks 0 and 1 of the same spawn start a world of 2 and resume it under fsdp (a
+1x2 world) and ddp (2x1), and this process on one. The traffic across nodes, under two
+``accumix launch --nnodes 2`` launchers, is in ``test_hsdp_launch.py``.
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from accumix.testing import spawn
 from tests.distributed import hsdp_jobs as jobs
-from tests.distributed.hsdp_jobs import NODES, TOL, WORLD
+from tests.distributed.hsdp_jobs import TOL, WORLD
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    run_dir = tmp_path_factory.mktemp("hsdp") / "run"
-    return spawn(jobs.four_rank_job, WORLD, args=(str(run_dir),), nodes=NODES, timeout=600), run_dir
+    return jobs.results(tmp_path_factory)  # the spawn test_reduce_dtype_error shares
 
 
 def test_hsdp_equals_the_large_batch_and_replicas_agree(four_ranks) -> None:
@@ -116,7 +114,9 @@ def test_checkpoint_moves_between_meshes(four_ranks) -> None:
     assert all(np.array_equal(resumed["resumed/hsdp"][k], straight[k]) for k in straight)
     for name in ("fsdp", "ddp"):
         assert jobs.max_diff(resumed[f"resumed/{name}"], straight) < TOL, name
-    two = spawn(jobs.two_rank_job, 2, args=(str(run_dir),), timeout=300)[0]
+    assert [r["two ranks"] is None for r in results] == [False, False, True, True]
+    two = results[0]["two ranks"]  # the world of 2 after the 4: full parameters on rank 0
+    assert sorted(two) == ["ddp 2x1", "fsdp 1x2"]
     for name, got in two.items():
         assert jobs.max_diff(got, straight) < TOL, name
     assert jobs.max_diff(jobs.resume_run("single", load=str(run_dir)), straight) < TOL

@@ -13,7 +13,8 @@
   rounded once for the one all-reduce across nodes (``defer_reduce_scatter``: the float32
   window reduced once).
 
-One spawn of 4 ranks runs every case. ``bench/reduce_dtype.py`` prints the error numbers for
+One spawn of 4 ranks runs every case, the one test_hsdp.py's checks run in
+(``hsdp_jobs.results``). ``bench/reduce_dtype.py`` prints the error numbers for
 every strategy, fp16, and Accelerate's BF16 hook.
 """
 
@@ -22,10 +23,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import accumix as ax
-from accumix.testing import CollectiveLog, reduction_error_job, spawn
+from accumix.testing import CollectiveLog, reduction_error_job
 from tests import reduce_jobs as rj
 from tests.golden.pre_reduce33 import make as golden
 
@@ -70,7 +72,7 @@ def _hsdp() -> dict[str, Any]:
     return out
 
 
-def _job() -> dict[str, Any]:
+def job() -> dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -81,8 +83,11 @@ def _job() -> dict[str, Any]:
     return out
 
 
-def test_reduction_error_and_hsdp_on_two_nodes() -> None:
-    ranks = spawn(_job, 4, timeout=1200, nodes=2)
+def test_reduction_error_and_hsdp_on_two_nodes(tmp_path_factory: pytest.TempPathFactory
+                                                ) -> None:
+    from tests.distributed import hsdp_jobs
+
+    ranks = [r["reduce"] for r in hsdp_jobs.results(tmp_path_factory)[0]]  # test_hsdp's spawn
     runs = ranks[0]
     for name, run in runs.items():
         assert name == "hsdp" or run["steps"] == 10, (name, run)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +24,16 @@ import accumix as ax
 from accumix.errors import ConfigError
 from accumix.memory.micro_batch_cache import CACHE_FILE
 from accumix.memory.micro_batch_probe import _far_over, measure
+from tests.frozen_heap import frozen_heap
+from tests.oom_injection import LogLines
 
 GLOBAL = 24  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
+
+
+@pytest.fixture(autouse=True)
+def _frozen_heap() -> Iterator[None]:
+    with frozen_heap():  # the probes' garbage passes see this test's objects only
+        yield
 
 
 class Wide(nn.Module):
@@ -139,23 +149,34 @@ def test_bad_input_is_one_line_config_error() -> None:
 def test_recipe_auto_then_an_elastic_restart_on_two_ranks(tmp_path: Path) -> None:
     """``accumix train micro_batch_size=auto``: one rank chooses 8 of 16 (K=2) under a limit,
     checkpoints; the restart on 2 ranks keeps global 16, probes again (another world: another
-    cache key) and derives K=1."""
+    cache key) and derives K=1. The one-rank run is the command's ``main`` in this process (a
+    run with nproc=1 trains in the process that parses the command); the restart is the
+    command itself, which launches its 2 ranks."""
+    from accumix.cli.main import main
+
     tiny = ["model.n_layer=1", "model.n_embd=64", "model.n_head=2", "model.block_size=64",
             "data.max_files=20", "data.max_val_bytes=2000", "sample.max_new_tokens=0",
             "optimizer.warmup_steps=1", "global_batch_size=16", "micro_batch_size=auto",
             "memory_limit=7000000", "progress_bar=false", "plot=false", "eval_every=null",
             f"output_dir={tmp_path}"]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
-    lines = []
-    for steps, nproc in ((1, 1), (2, 2)):
-        done = subprocess.run(
-            [sys.executable, "-m", "accumix.cli.main", "train", *tiny, f"max_steps={steps}",
-             f"checkpoint_every={steps}", f"nproc={nproc}"],
-            capture_output=True, text=True, timeout=240, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        lines += [line for line in done.stderr.splitlines()
-                  if "micro_batch_size=auto chose" in line]
+    for key in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS"):
+        os.environ.pop(key, None)  # conftest puts the environment back
+    logger, handler = logging.getLogger("accumix"), LogLines()
+    level = logger.level  # under pytest (root handlers) accumix adds no handler of its own
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        assert main(["train", *tiny, "max_steps=1", "checkpoint_every=1", "nproc=1"]) == 0
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    done = subprocess.run(
+        [sys.executable, "-m", "accumix.cli.main", "train", *tiny, "max_steps=2",
+         "checkpoint_every=2", "nproc=2"], capture_output=True, text=True, timeout=240,
+        env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in [*handler.lines, *done.stderr.splitlines()]
+             if "micro_batch_size=auto chose" in line]
     assert "micro_batch_size=auto chose 8 (K=2 on 1 rank, global 16): peak" in lines[0]
     assert "micro_batch_size=auto chose 8 (K=1 on 2 ranks, global 16): peak" in lines[1]
     assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,16 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 import accumix as ax
 from accumix.memory.micro_batch_cache import CACHE_FILE
 from accumix.memory.micro_batch_probe import batch_maker
+from tests.frozen_heap import frozen_heap
 from tests.hf_standins import BatchEncoding, TinyCausalLM, padded_batch
 
 GLOBAL = 24
+
+
+@pytest.fixture(autouse=True)
+def _frozen_heap() -> Iterator[None]:
+    with frozen_heap():  # the probes' garbage passes see this test's objects only
+        yield
 
 
 def _pad(samples: list[Any]) -> torch.Tensor:

@@ -6,6 +6,8 @@ one row keeps the CPU bound on what is run."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -14,8 +16,15 @@ from torch.utils.data import DataLoader, TensorDataset
 import accumix as ax
 from accumix.memory.micro_batch_probe import measure
 from accumix.memory.peak_memory import PeakMeter
+from tests.frozen_heap import frozen_heap
 
 GLOBAL, MB = 24, 10**6  # candidates on one rank: 1, 2, 3, 4, 6, 8, 12, 24
+
+
+@pytest.fixture(autouse=True)
+def _frozen_heap() -> Iterator[None]:
+    with frozen_heap():  # the probes' garbage passes see this test's objects only
+        yield
 
 
 class Dense(nn.Module):
