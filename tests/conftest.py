@@ -1,14 +1,37 @@
-"""Every test leaves no process group and no changed environment behind."""
+"""Every test leaves no process group and no changed environment behind.
+
+The session's processes (this one, spawned ranks, CLI jobs) share one XLA compilation cache,
+created here and removed at the end: a JAX step that another test, rank or restarted job already
+compiled is read back instead of compiled again (compiling is most of a JAX test's time). The
+executable read back is the one XLA built for the same program, flags and devices, so results
+and ``memory_analysis()`` are the same; the in-memory jit cache (which tests count) is untouched.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 # Two CPU devices for accumix.jax's multi-device tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+_JAX_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _JAX_CACHE = tempfile.mkdtemp(prefix="accumix-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+    # Compilations of 0.1 s and more (the default, 1 s, skips most of these tiny models' steps).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    # A size bound turns on JAX's file lock around reads and writes: two ranks may write the same
+    # entry while a third process reads it (without the lock a reader can see a partial file).
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _JAX_CACHE is not None:
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
