@@ -130,6 +130,44 @@ def test_eval_step_reads_the_loss_alike() -> None:
     assert float(loss_sum) == pytest.approx(float(ref_sum), rel=1e-6)
 
 
+def test_eval_step_takes_a_last_batch_its_devices_do_not_divide() -> None:
+    """A validation set's last batch (3 rows, 1 row on 2 devices) is evaluated, each row once;
+    before: a ConfigError (on 4 or 8 devices most validation sets end so)."""
+    acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=1)
+    state = acc.setup(w.init_params(), w.optimizer())
+    params = jax.tree.map(jnp.asarray, w.init_params())
+    mean_eval = acc.eval_step(w.mean_loss)
+    item_eval = acc.eval_step(w.item_loss)
+    for rows in (3, 1):
+        (batch,) = w.micro_batches(1, rows=rows, seed=rows)
+        each = [jax.tree.map(lambda x, i=i: x[i:i + 1], batch) for i in range(rows)]
+        loss_sum, items = mean_eval(state, batch)
+        expected = sum(float(w.mean_loss(params, row, None)) for row in each)
+        assert (float(loss_sum), float(items)) == (pytest.approx(expected, rel=1e-6), rows)
+        loss_sum, items = item_eval(state, batch)
+        ref_sum, ref_items = w.item_loss(params, batch, None)
+        assert float(items) == float(ref_items)
+        assert float(loss_sum) == pytest.approx(float(ref_sum), rel=1e-6)
+        assert [float(x) for x in item_eval(state, batch, weight=0.0)] == [0.0, 0.0]
+
+
+def test_loss_fn_is_traced_on_one_devices_rows_only() -> None:
+    """``loss_fn`` sees one device's rows of a micro-batch (README): a loss that reshapes to that
+    batch trains. Before, the step read the loss's form by tracing it on the whole window's rows
+    (4 here, 2 per device): the reshape raised a TypeError."""
+    seen = set()
+
+    def per_device(params, batch, rng):
+        seen.add(batch["x"].shape[0])
+        x = batch["x"].reshape(w.ROWS // 2, 3, 4)  # this device's rows, written out
+        return jnp.mean((w.forward(params, x) - batch["y"]) ** 2)
+
+    windows = [w.micro_batches(K, seed=i, ragged=False) for i in range(2)]
+    _, state, _ = run("ddp", windows, per_device)
+    assert seen == {w.ROWS // 2}
+    assert w.max_diff(state.params, plain_train(windows, mean_grads)) < 1e-6
+
+
 def complex_loss(params, batch, rng):
     """A real loss of complex params whose imaginary parts matter (a complex target)."""
     err = batch["x"].astype(jnp.complex64) @ params["z"] - (batch["y"] + 1j * batch["y"][:, ::-1])

@@ -46,15 +46,18 @@ from accumix.jax.trainable import accum_dtype
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
 
-def loss_form(loss_fn: LossFn, params: Any, window: Any) -> LossForm:
-    """How ``loss_fn``'s result reads (traced once, abstractly, on one micro-batch)."""
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), window.batch)
+def loss_form(loss_fn: LossFn, params: Any, window: Any, devices: int) -> LossForm:
+    """How ``loss_fn``'s result reads (traced once, abstractly, on what the step hands it: one
+    micro-batch's rows of one of the window's ``devices``; the whole window's rows would break a
+    ``loss_fn`` that relies on its row count, a reshape to one device's batch)."""
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[1] // devices, *x.shape[2:]),
+                                                        x.dtype), window.batch)
     return read_form(loss_fn, params, micro, jax.random.key(0))
 
 
-def is_item_mode(loss_fn: LossFn, params: Any, window: Any) -> bool:
+def is_item_mode(loss_fn: LossFn, params: Any, window: Any, devices: int) -> bool:
     """Whether ``loss_fn`` returns an item count (item-weighted accumulation)."""
-    return loss_form(loss_fn, params, window).item_mode
+    return loss_form(loss_fn, params, window, devices).item_mode
 
 
 def count_dtype(items: Any) -> Any:
@@ -192,7 +195,7 @@ def build_step(
         scale = state.loss_scale.scale
         rows_spec = strategy.rows_spec(1)
         batch_specs = jax.tree.map(lambda _: rows_spec, batch)
-        form = loss_form(loss_fn, params_c, window)  # static: fixed at trace time
+        form = loss_form(loss_fn, params_c, window, num_devices)  # static: at trace time
         item_mode = form.item_mode
         train_specs = trainable.select(param_specs, state.params)
         g_sum, l_sum, n_sum, a_sum, micro_steps = jax.shard_map(

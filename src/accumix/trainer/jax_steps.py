@@ -126,7 +126,8 @@ class JaxSteps:
             got_window = True
             trainer.epoch = self.train_loader.epoch
             if self._item_mode is None:
-                self._item_mode = is_item_mode(self.loss_fn, self.state.params, window)
+                self._item_mode = is_item_mode(self.loss_fn, self.state.params, window,
+                                               self.accelerator.num_devices)
             self.state, metrics = self._step_fn(self.state, window)
             pending.append((metrics, self.train_loader.last_samples))
             due = self._host_step + len(pending)  # exact unless an fp16 window was skipped
