@@ -278,6 +278,33 @@ def test_save_model_names_nnx_params_as_flax_does(tmp_path) -> None:
     assert tensors["l1.kernel"].dtype == np.float32
 
 
+def test_an_nnx_dropout_held_in_the_params_draws_anew_each_micro_step() -> None:
+    """A flax nnx model split whole (its ``Rngs`` key and count carried in the params): its
+    Dropout draws another mask on each micro-step, device and window, as ``rng`` does. Before,
+    loss_fn could not hand back the advanced count: every micro-step, device and window used
+    one mask (the window mean of a row's mask stayed 0 or 1, the same each window)."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(dropout=1)))
+    stored = jax.random.key_data(params["drop"]["rngs"]["key"].get_value())
+
+    def loss_fn(p, batch, rng):
+        kept = (nnx.merge(graphdef, p).drop(jnp.ones((16,))) != 0).astype(jnp.float32)
+        return jnp.mean(batch["x"]) * 0.0, {"kept": kept}
+
+    windows = [w.micro_batches(K, seed=i) for i in range(2)]
+    _, state, metrics = run("ddp", windows, loss_fn, params=params, tx=optax.sgd(0.1))
+    kept = [np.asarray(m["aux"]["kept"]) for m in metrics]  # means over 2 micro-steps x 2 devices
+    assert not np.isin(kept[0], [0.0, 1.0]).all() and not np.array_equal(kept[0], kept[1])
+    # The stored stream is carried unchanged, so a resumed run draws alike.
+    after = state.params["drop"]["rngs"]["key"].get_value()
+    assert np.array_equal(jax.random.key_data(after), stored)
+
+
 def test_unused_loss_scale_under_auto_is_said_once_on_both_backends(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="accumix"):
         axj.Accelerator(precision="auto", loss_scale=ax.DynamicLossScale(init_scale=8.0))

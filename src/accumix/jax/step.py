@@ -100,8 +100,8 @@ def build_step(
         target = strategy.grad_target(weights, train_specs)  # what each micro-step differentiates
         one = jnp.float32(1)
 
-        def use(shards: Any, t: Any, weight: jax.Array) -> Any:
-            return trainable.merge(strategy.params_at_use(shards, t, train_specs, weight), carried)
+        def use(shards: Any, t: Any, weight: jax.Array, rest: Any = carried) -> Any:
+            return trainable.merge(strategy.params_at_use(shards, t, train_specs, weight), rest)
 
         shapes = jax.eval_shape(lambda w, t: use(w, t, one), weights, target)
         _, items0, aux0 = form.split(jax.eval_shape(loss_fn, shapes, first, key))
@@ -134,6 +134,9 @@ def build_step(
             # the backward yields them, not returned whole first (a second full set, alive).
             def compute(g_acc: Any) -> tuple[Any, ...]:
                 k = jax.random.fold_in(jax.random.fold_in(key, index), device)
+                # A PRNG key held in the params (a flax nnx Rngs stream) draws anew here, as
+                # ``k`` does: loss_fn cannot hand back the stream it advanced.
+                rest = trainable.reseeded(carried, k)
                 # A device whose micro-batch is padding (its process passed a shorter window)
                 # runs this micro-step too when another device's is real: the collectives in
                 # the backward (fsdp's gathers, sync's reduce-scatters) must be issued by every
@@ -145,12 +148,12 @@ def build_step(
                 micro = jax.tree.map(lambda x, x0: jnp.where(valid, x, x0), given, first)
                 weight = one
                 if weigh_in_backward:  # the count alone: XLA drops the rest of this forward
-                    items = form.split(loss_fn(use(weights, target, one), micro, k))[1]
+                    items = form.split(loss_fn(use(weights, target, one, rest), micro, k))[1]
                     weight = jnp.maximum(jnp.asarray(items, jnp.float32), 1.0)
 
                 def at_use(t: Any, shards: Any) -> tuple[jax.Array, tuple[Any, ...]]:
                     return strategy.call_at_use(
-                        lambda p: objective(trainable.merge(p, carried), micro, k, live),
+                        lambda p: objective(trainable.merge(p, rest), micro, k, live),
                         shards, t, train_specs, weight)
 
                 grad, (loss, items, aux, per) = jax.grad(at_use, has_aux=True)(

@@ -5,6 +5,11 @@ a PRNG key has no gradient (``jax.grad`` refuses it) and no optimizer update: th
 only the trainable leaves to ``jax.grad`` and to the optimizer (its state is built for them
 alone, ``None`` where a leaf is carried) and carries the others through unchanged; checkpoints
 save and restore the whole tree.
+
+A carried PRNG key reaches ``loss_fn`` folded with the micro-step's own key (``reseeded``):
+``loss_fn`` cannot return the stream it advanced (an nnx ``Dropout`` bumps its ``Rngs``
+count inside the trace only), so an unchanged key would draw the same dropout mask on every
+micro-step, device and window.
 """
 
 from __future__ import annotations
@@ -36,6 +41,21 @@ def merge(trainable: Any, like: Any) -> Any:
     new = iter(jax.tree.leaves(trainable))
     return treedef.unflatten([next(new) if is_trainable(x) else x for x in leaves])
 
+
+
+def reseeded(tree: Any, key: jax.Array) -> Any:
+    """``tree`` with each PRNG key leaf folded with bits drawn from ``key`` (the micro-step's
+    and device's, so deterministic and resumed with the state); other leaves as they are."""
+    data = jax.random.bits(key, dtype=jnp.uint32)
+
+    def fold(x: Any) -> Any:
+        if not jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            return x
+        if x.shape == ():
+            return jax.random.fold_in(x, data)
+        flat = jax.vmap(lambda k: jax.random.fold_in(k, data))(x.reshape(-1))
+        return flat.reshape(x.shape)
+    return jax.tree.map(fold, tree)
 
 
 def accum_dtype(dtype: Any) -> Any:
