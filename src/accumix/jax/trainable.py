@@ -42,14 +42,18 @@ def merge(trainable: Any, like: Any) -> Any:
     return treedef.unflatten([next(new) if is_trainable(x) else x for x in leaves])
 
 
-
 def reseeded(tree: Any, key: jax.Array) -> Any:
     """``tree`` with each PRNG key leaf folded with bits drawn from ``key`` (the micro-step's
     and device's, so deterministic and resumed with the state); other leaves as they are."""
+    def is_key(x: Any) -> bool:
+        return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+    if not any(is_key(x) for x in jax.tree.leaves(tree)):
+        return tree
     data = jax.random.bits(key, dtype=jnp.uint32)
 
     def fold(x: Any) -> Any:
-        if not jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        if not is_key(x):
             return x
         if x.shape == ():
             return jax.random.fold_in(x, data)
