@@ -10,7 +10,8 @@ from torch import nn
 import accumix as ax
 from accumix.cli.main import main
 from accumix.common.launch_env import LaunchEnv, detect_launch_env, slurm_tasks_per_node
-from accumix.memory.model import HSDP_ROWS, STRATEGIES, choose_strategy, estimate_memory
+from accumix.memory.model import HSDP_ROWS, STRATEGIES, estimate_memory
+from accumix.memory.strategy_choice import choose_strategy
 from accumix.precision import Policy
 from accumix.strategies.node_groups import mesh_shape
 from accumix.strategies.registry import choose_auto_strategy

@@ -6,20 +6,19 @@ import pytest
 import torch
 from torch import nn
 
-from accumix.memory import model as memory
+from accumix.memory import device_memory
+from accumix.memory.device_memory import device_free_bytes
 from accumix.memory.model import (
     PRECISIONS,
     STRATEGIES,
     MemoryEstimate,
-    StrategyChoice,
-    choose_strategy,
     count_params,
-    device_free_bytes,
     estimate_memory,
     format_table,
     gathered_params,
     repeated_blocks,
 )
+from accumix.memory.strategy_choice import StrategyChoice, choose_strategy
 
 GIB = 1024**3
 M = 1_000_000
@@ -248,7 +247,7 @@ def test_to_row_and_format_table() -> None:
 def test_device_free_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     free = device_free_bytes(torch.device("cpu"))
     assert isinstance(free, int) and free > 0
-    monkeypatch.setattr(memory, "_host_available_bytes", lambda: 1000)
+    monkeypatch.setattr(device_memory, "_host_available_bytes", lambda: 1000)
     assert device_free_bytes("cpu", local_world_size=4) == 250
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (123, 456))
     assert device_free_bytes(torch.device("cuda", 0)) == 123

@@ -71,13 +71,9 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     from accumix.cli.launch import resolve_nproc
     from accumix.cli.train import load_train_config
-    from accumix.memory.model import (
-        PRECISIONS,
-        choose_strategy,
-        device_free_bytes,
-        estimate_memory,
-        format_table,
-    )
+    from accumix.memory.device_memory import device_free_bytes
+    from accumix.memory.model import PRECISIONS, estimate_memory, format_table
+    from accumix.memory.strategy_choice import choose_strategy
     from accumix.precision.policy import resolve_policy
     from accumix.recipes.default import TrainConfig
     from accumix.recipes.gpt import GPT

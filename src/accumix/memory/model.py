@@ -1,4 +1,4 @@
-"""Memory model per strategy, and the choice that ``strategy="auto"`` makes from it.
+"""Memory model per strategy: the bytes one rank holds (``strategy_choice`` picks from them).
 
 Counts the *model states* one data-parallel rank holds (parameters, gradients, optimizer states)
 the way the ZeRO paper does, plus an activation estimate the caller supplies. Imports only
@@ -9,12 +9,10 @@ parameter count).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # torch loads lazily: the JAX backend sizes its strategies with this model
-    import torch
     from torch import nn
 
 # The ``x as x`` names are re-exported: callers size models and print tables through this module.
@@ -108,24 +106,6 @@ _BYTES: dict[tuple[bool, str], _Bytes] = {
 HSDP_ROWS: tuple[str, ...] = ("hsdp-grad_op", "hsdp-full")
 STRATEGIES: tuple[str, ...] = tuple(name for name in _SHARDING if name not in HSDP_ROWS)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-# The order "auto" tries, least communication first: (estimate, strategy word, FSDP sharding).
-_AUTO_ORDER: tuple[tuple[str, str, str | None], ...] = (
-    ("ddp", "ddp", None),
-    ("zero1", "zero1", None),
-    ("fsdp-grad_op", "fsdp", "grad_op"),
-    ("fsdp-full", "fsdp", "full"),
-)
-# On several nodes the link between them is the slow one: ddp and hsdp cross it once per step
-# with the gradients (hsdp: each rank its shard), zero1 adds an all-gather of the parameters
-# across every rank, fsdp two per micro-step.
-_AUTO_ORDER_NODES: tuple[tuple[str, str, str | None], ...] = (
-    ("ddp", "ddp", None),
-    ("hsdp-grad_op", "hsdp", "grad_op"),
-    ("hsdp-full", "hsdp", "full"),
-    ("zero1", "zero1", None),
-    ("fsdp-grad_op", "fsdp", "grad_op"),
-    ("fsdp-full", "fsdp", "full"),
-)
 _GIB = 1024**3
 
 
@@ -158,21 +138,6 @@ class MemoryEstimate:
         parts = (self.params_bytes, self.grads_bytes, self.optimizer_bytes, self.activation_bytes)
         sizes = (f"{size / _GIB:.2f}" for size in (*parts, self.total_bytes))
         return (self.strategy, *sizes, fits)
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class StrategyChoice:
-    """What ``strategy="auto"`` picked and why.
-
-    Attributes:
-        strategy: ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"``.
-        sharding: ``"grad_op"`` or ``"full"`` when ``strategy`` is fsdp or hsdp, else None.
-        reason: One line naming the choice, the bytes per rank and the budget.
-    """
-
-    strategy: str
-    sharding: str | None
-    reason: str
 
 
 def estimate_memory(
@@ -292,125 +257,6 @@ def estimate_memory(
     return estimates
 
 
-def choose_strategy(
-    estimates: list[MemoryEstimate],
-    *,
-    device_bytes: int,
-    headroom: float = 0.8,
-    world_size: int,
-    ranks_per_node: int | None = None,
-) -> StrategyChoice:
-    """Pick the strategy with the least communication that fits ``headroom * device_bytes``.
-
-    One rank gets ``"single"``. Otherwise ddp, zero1, fsdp ``grad_op`` and fsdp ``full`` are
-    tried in that order (each communicates more than the one before). On several nodes (the
-    estimates have the hsdp rows) the link between nodes decides: ddp, hsdp ``grad_op``, hsdp
-    ``full`` (sharded within a node, so a model that fits sharded over one node's ranks
-    crosses nodes once per step), then zero1 and fsdp. DeepSpeed is never picked
-    automatically. When nothing fits the answer is fsdp ``full`` with a reason saying by how
-    much it misses: the caller decides whether that is an error.
-
-    Args:
-        estimates: From ``estimate_memory`` (must include ddp, zero1, fsdp-grad_op, fsdp-full).
-        device_bytes: Memory per rank, e.g. from ``device_free_bytes``.
-        headroom: Fraction of ``device_bytes`` the model may use.
-        world_size: Data-parallel ranks.
-        ranks_per_node: the ranks of one node (named in an hsdp choice's reason).
-
-    Returns:
-        The choice, with a one-line reason that names the bytes per rank.
-
-    Raises:
-        ConfigError: ``world_size < 1``, a headroom outside (0, 1], a non-positive
-            ``device_bytes``, or an estimate missing.
-    """
-    _check_int("world_size", world_size, minimum=1)
-    budget = _budget(device_bytes, headroom)
-    assert budget is not None  # device_bytes is required here
-    by_name = {estimate.strategy: estimate for estimate in estimates}
-    missing = [name for name, _, _ in _AUTO_ORDER if name not in by_name]
-    if missing:
-        raise ConfigError(f"estimates lack {', '.join(missing)}; pass estimate_memory()'s list")
-    of_budget = f"{headroom:.0%} of {_gib(device_bytes)}"
-    ddp_total = by_name["ddp"].total_bytes
-    nodes = HSDP_ROWS[0] in by_name
-
-    if world_size == 1:
-        verdict = _verdict(ddp_total, budget, of_budget)
-        return StrategyChoice(
-            strategy="single", sharding=None, reason=f"single (world size 1): {verdict}"
-        )
-    for name, strategy, sharding in _AUTO_ORDER_NODES if nodes else _AUTO_ORDER:
-        total = by_name[name].total_bytes
-        if total <= budget:
-            label = strategy if sharding is None else f"{strategy} (sharding={sharding})"
-            reason = f"{label}: {_verdict(total, budget, of_budget)}"
-            if name != "ddp":
-                reason += f"; ddp needs {_gib(ddp_total)}"
-            if strategy == "hsdp":
-                within = f"the {ranks_per_node} ranks of a node" if ranks_per_node else "a node"
-                reason += (f"; sharded within {within}, replicated across nodes: "
-                           "the nodes exchange gradient shards once per step")
-            return StrategyChoice(strategy=strategy, sharding=sharding, reason=reason)
-    full_total = by_name["fsdp-full"].total_bytes
-    reason = (
-        f"fsdp (sharding=full): {_verdict(full_total, budget, of_budget)}; nothing fits: use a "
-        "smaller micro batch, activation checkpointing or more ranks"
-    )
-    return StrategyChoice(strategy="fsdp", sharding="full", reason=reason)
-
-
-def device_free_bytes(device: torch.device | str, *, local_world_size: int = 1) -> int:
-    """Free memory one rank may use on ``device``.
-
-    Args:
-        device: A CUDA device (its free memory, ``torch.cuda.mem_get_info``) or the CPU (the
-            host's available memory shared by the ranks on this host).
-        local_world_size: Ranks sharing the host's memory; divides the CPU figure.
-
-    Returns:
-        Bytes.
-
-    Raises:
-        ConfigError: ``local_world_size < 1`` or a device type other than cuda or cpu.
-    """
-    _check_int("local_world_size", local_world_size, minimum=1)
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    if device.type == "cpu":
-        return _host_available_bytes() // local_world_size
-    raise ConfigError(f"cannot size memory of device type {device.type!r}; choose cuda or cpu")
-
-
-def _host_available_bytes() -> int:
-    # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES (MemFree) does not and reads
-    # far too low on a host that has been reading files for a while.
-    meminfo = _read_text("/proc/meminfo") or ""
-    lines = [line.split() for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
-    if lines:
-        available = int(lines[0][1]) * 1024
-    else:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    # Inside a container /proc/meminfo shows the whole host; the cgroup v2 limit is what kills us.
-    limit = _read_text("/sys/fs/cgroup/memory.max")
-    current = _read_text("/sys/fs/cgroup/memory.current")
-    if limit is None or current is None or not limit.isdigit() or not current.isdigit():
-        return available
-    return min(available, max(int(limit) - int(current), 0))
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as file:
-            return file.read().strip()
-    except OSError:
-        return None
-
-
 def _budget(device_bytes: int | None, headroom: float) -> float | None:
     if not 0 < headroom <= 1:
         raise ConfigError(f"headroom must be in (0, 1], got {headroom}")
@@ -425,16 +271,3 @@ def _check_int(name: str, value: int, *, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
-
-
-def _verdict(total: int, budget: float, of_budget: str) -> str:
-    if total <= budget:
-        return f"{_gib(total)} per rank fits {of_budget}"
-    return (
-        f"{_gib(total)} per rank does not fit {of_budget} ({_gib(budget)}), "
-        f"{_gib(total - budget)} over"
-    )
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / _GIB:.2f} GiB"

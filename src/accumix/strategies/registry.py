@@ -14,7 +14,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accumix.errors import ConfigError
-from accumix.memory.model import PRECISIONS, choose_strategy, device_free_bytes, estimate_memory
+from accumix.memory.device_memory import device_free_bytes
+from accumix.memory.model import PRECISIONS, estimate_memory
+from accumix.memory.strategy_choice import choose_strategy
 from accumix.precision import Policy
 from accumix.runtime.env import LaunchEnv
 from accumix.strategies.base import Strategy
@@ -95,7 +97,7 @@ def choose_auto_strategy(
 
     One process is ``single``; otherwise the least communication whose model states fit
     ``headroom * device_bytes`` per rank: ddp, then zero1, fsdp ``grad_op``, fsdp ``full``
-    (``accumix.memory.model.choose_strategy``; fsdp ``full`` also when nothing fits). On
+    (``accumix.memory.strategy_choice.choose_strategy``; fsdp ``full`` also when nothing fits). On
     several nodes hsdp (``grad_op``, then ``full``) comes right after ddp: a model that fits
     sharded within a node then crosses the link between nodes once per step.
 
