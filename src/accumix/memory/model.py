@@ -40,6 +40,7 @@ from accumix.memory.table import format_table as format_table
 #   fsdp-full      p*N/W + c*G     g*T/W    (m + K*s)*T/W    3
 #   hsdp-grad_op   p*N/S + c*N     g*T/S    (m + K*s)*T/S    2 within a node
 #   hsdp-full      p*N/S + c*G     g*T/S    (m + K*s)*T/S    3 within a node
+#   fsdp-*, hsdp-*-defer with a window: g*T (below); fsdp-*-sync and hsdp-* keep g*T/W, g*T/S
 #   deepspeed-1    p*N             g*T      (m + K*s)*T/W    1
 #   deepspeed-2    p*N             g*T/W    (m + K*s)*T/W    2
 #   deepspeed-3    p*N/W + c*G     g*T/W    (m + K*s)*T/W    3
@@ -60,6 +61,16 @@ from accumix.memory.table import format_table as format_table
 # Not counted (the headroom absorbs them): DDP's grad buckets without gradient_as_bucket_view,
 # the next block FSDP prefetches during compute, DeepSpeed's transient fp32 grad partition,
 # buffers, the CUDA context, allocator fragmentation.
+#
+# The window (``grad_accum_steps`` >= 2 micro-steps per optimizer step): by default FSDP2 runs
+# the off-boundary micro-steps with gradient sync off, so each rank sums the window in unsharded,
+# full-size gradients (g*T, in the stored dtype: g's) that the boundary's backward reduce-scatters
+# (freeing them unit by unit as the shards appear): ``fsdp-grad_op``/``fsdp-full`` and
+# ``hsdp-*-defer`` (``HSDPStrategy(defer_reduce_scatter=True)``) hold g*T where the table says
+# g*T/W (g*T/S). ``fsdp-*-sync`` (``FSDPStrategy(sync_each_microstep=True)``) and hsdp's default
+# reduce-scatter every micro-step into the shards and keep the table's figure. With one micro-step
+# a window every micro-step is a boundary and those rows equal the defaults, so they are listed
+# only with a window. Measured: tests/distributed/test_memory_model.py, hsdp_jobs.py.
 
 
 class _Bytes(NamedTuple):
@@ -77,16 +88,23 @@ class _Sharding(NamedTuple):
     gathered: str  # "none", "all" (N, kept from forward to backward) or "block" (G at a time)
     deepspeed: bool
     within_node: bool = False  # sharded over the ranks of a node (hsdp), not over all ranks
+    window_unsharded: bool = False  # a window's gradients summed unsharded (FSDP2 sync off)
 
 
 _SHARDING: dict[str, _Sharding] = {
     # sharded: optimizer, grads, params; then gathered, and whether DeepSpeed stores it
     "ddp": _Sharding(False, False, False, "none", False),
     "zero1": _Sharding(True, False, False, "none", False),
-    "fsdp-grad_op": _Sharding(True, True, True, "all", False),
-    "fsdp-full": _Sharding(True, True, True, "block", False),
+    "fsdp-grad_op": _Sharding(True, True, True, "all", False, window_unsharded=True),
+    "fsdp-full": _Sharding(True, True, True, "block", False, window_unsharded=True),
+    "fsdp-grad_op-sync": _Sharding(True, True, True, "all", False),
+    "fsdp-full-sync": _Sharding(True, True, True, "block", False),
     "hsdp-grad_op": _Sharding(True, True, True, "all", False, within_node=True),
     "hsdp-full": _Sharding(True, True, True, "block", False, within_node=True),
+    "hsdp-grad_op-defer": _Sharding(True, True, True, "all", False, within_node=True,
+                                    window_unsharded=True),
+    "hsdp-full-defer": _Sharding(True, True, True, "block", False, within_node=True,
+                                 window_unsharded=True),
     "deepspeed-1": _Sharding(True, False, False, "none", True),
     "deepspeed-2": _Sharding(True, True, False, "none", True),
     "deepspeed-3": _Sharding(True, True, True, "block", True),
@@ -102,9 +120,13 @@ _BYTES: dict[tuple[bool, str], _Bytes] = {
     (True, "fp16-mixed"): _Bytes(2, 2, 2, 4, 4),
     (True, "bf16-true"): _Bytes(2, 2, 2, 4, 4),
 }
-# The rows of one node's world; hsdp's come only with several nodes (``ranks_per_node``).
+# The rows of one node's world at one micro-step a window; hsdp's come only with several nodes
+# (``ranks_per_node``), the sync and defer variants only with a window (they differ only there).
 HSDP_ROWS: tuple[str, ...] = ("hsdp-grad_op", "hsdp-full")
-STRATEGIES: tuple[str, ...] = tuple(name for name in _SHARDING if name not in HSDP_ROWS)
+SYNC_ROWS: tuple[str, ...] = ("fsdp-grad_op-sync", "fsdp-full-sync")
+DEFER_ROWS: tuple[str, ...] = ("hsdp-grad_op-defer", "hsdp-full-defer")
+STRATEGIES: tuple[str, ...] = tuple(name for name in _SHARDING
+                                    if name not in HSDP_ROWS + SYNC_ROWS + DEFER_ROWS)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 _GIB = 1024**3
 
@@ -151,6 +173,7 @@ def estimate_memory(
     headroom: float = 0.8,
     block_params: int | None = None,
     ranks_per_node: int | None = None,
+    grad_accum_steps: int | None = 1,
 ) -> list[MemoryEstimate]:
     """Estimate the bytes per rank of every strategy (formulas: the table atop this module).
 
@@ -167,10 +190,15 @@ def estimate_memory(
         deepspeed-2   p*N           + g*T/W + (m + K*s)*T/W
         deepspeed-3   p*N/W + c*G   + g*T/W + (m + K*s)*T/W
 
-    each plus ``activation_bytes``. Bytes (param p, gathered c, grad g, state s, master m): fp32
-    4/4/4/4/0; bf16-/fp16-mixed 4/2/4/4/0 under torch (autocast, FSDP2 MixedPrecisionPolicy) and
-    2/2/2/4/4 under DeepSpeed (ZeRO's 16 bytes for Adam); bf16-true 2/2/2/2/0 under torch and
-    2/2/2/4/4 under DeepSpeed, which always keeps fp32 master weights and states.
+    each plus ``activation_bytes``. With a window (``grad_accum_steps`` >= 2) the fsdp rows hold
+    the window's unsharded gradients, g*T, and ``SYNC_ROWS`` (``sync_each_microstep=True``, g*T/W)
+    follow them; on several nodes ``DEFER_ROWS`` (``defer_reduce_scatter=True``, g*T) follow the
+    hsdp rows, whose default keeps g*T/S.
+
+    Bytes (param p, gathered c, grad g, state s, master m): fp32 4/4/4/4/0; bf16-/fp16-mixed
+    4/2/4/4/0 under torch (autocast, FSDP2 MixedPrecisionPolicy) and 2/2/2/4/4 under DeepSpeed
+    (ZeRO's 16 bytes for Adam); bf16-true 2/2/2/2/0 under torch and 2/2/2/4/4 under DeepSpeed,
+    which always keeps fp32 master weights and states.
 
     Args:
         model_or_num_params: A model (its parameters are counted, tied ones once, and frozen ones
@@ -186,15 +214,19 @@ def estimate_memory(
             model (``gathered_params``); for a number, the whole model (the wrapping is unknown).
         ranks_per_node: S, the ranks of one node; when the world spans several nodes
             (``1 < S < world_size``) the hsdp rows follow the fsdp ones.
+        grad_accum_steps: Micro-steps per optimizer step; None when not known yet (sized as a
+            window, the larger figure).
 
     Returns:
-        One estimate per strategy, in the order of ``STRATEGIES`` (with ``HSDP_ROWS`` after
-        ``fsdp-full`` on several nodes).
+        One estimate per strategy, in the order of ``STRATEGIES``, with (after ``fsdp-full``)
+        ``SYNC_ROWS`` when there is a window, then ``HSDP_ROWS`` and with a window
+        ``DEFER_ROWS`` on several nodes.
 
     Raises:
         ConfigError: A negative count, ``world_size < 1``, an unknown precision, a headroom outside
             (0, 1], a non-positive ``device_bytes``, ``block_params`` above the parameter count,
-            or a ``ranks_per_node`` that does not divide ``world_size``.
+            a ``ranks_per_node`` that does not divide ``world_size``, or a ``grad_accum_steps``
+            below 1.
     """
     if hasattr(model_or_num_params, "parameters"):  # a torch module
         num_params = count_params(model_or_num_params)
@@ -214,14 +246,18 @@ def estimate_memory(
     if block_params > num_params:
         raise ConfigError(f"block_params={block_params} exceeds the {num_params} parameters")
     budget = _budget(device_bytes, headroom)
-    rows = list(STRATEGIES)
+    window = grad_accum_steps is None or _check_int("grad_accum_steps", grad_accum_steps,
+                                                    minimum=1) > 1
+    extra = list(SYNC_ROWS if window else ())
     if ranks_per_node is not None:
         _check_int("ranks_per_node", ranks_per_node, minimum=1)
         if world_size % ranks_per_node:
             raise ConfigError(f"ranks_per_node={ranks_per_node} does not divide world_size="
                               f"{world_size}; nodes run the same number of ranks")
         if 1 < ranks_per_node < world_size:
-            rows[rows.index("fsdp-full") + 1:rows.index("fsdp-full") + 1] = HSDP_ROWS
+            extra += HSDP_ROWS + (DEFER_ROWS if window else ())
+    rows = list(STRATEGIES)
+    rows[rows.index("fsdp-full") + 1:rows.index("fsdp-full") + 1] = extra
 
     def shard(count: int, is_sharded: bool, ranks: int) -> int:
         # Elements per rank, rounded up: FSDP2 and DeepSpeed pad every shard to the same size.
@@ -235,7 +271,8 @@ def estimate_memory(
         gathered = {"none": 0, "all": num_params, "block": block_params}[sharding.gathered]
         params_bytes = (size.param * shard(num_params, sharding.params, ranks)
                         + size.gathered * gathered)
-        grads_bytes = size.grad * shard(trainable, sharding.grads, ranks)
+        held_sharded = sharding.grads and not (window and sharding.window_unsharded)
+        grads_bytes = size.grad * shard(trainable, held_sharded, ranks)
         # DeepSpeed's ZeRO 1/2 optimizer clones its fp32 partition even in fp32
         # (single_partition_of_fp32_groups): measured by bench/memory.py.
         master = 4 if sharding.deepspeed and not sharding.params and precision == "fp32" else (

@@ -15,6 +15,12 @@ _AUTO_ORDER: tuple[tuple[str, str, str | None], ...] = (
     ("fsdp-grad_op", "fsdp", "grad_op"),
     ("fsdp-full", "fsdp", "full"),
 )
+# With a window (the estimates have them): fsdp reduce-scattering every micro-step, K times the
+# gradient traffic for sharded gradients between micro-steps; tried last, and the least memory.
+_SYNC_ORDER: tuple[tuple[str, str, str | None], ...] = (
+    ("fsdp-grad_op-sync", "fsdp", "grad_op"),
+    ("fsdp-full-sync", "fsdp", "full"),
+)
 # On several nodes the link between them is the slow one: ddp and hsdp cross it once per step
 # with the gradients (hsdp: each rank its shard), zero1 adds an all-gather of the parameters
 # across every rank, fsdp two per micro-step.
@@ -36,11 +42,13 @@ class StrategyChoice:
         strategy: ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"``.
         sharding: ``"grad_op"`` or ``"full"`` when ``strategy`` is fsdp or hsdp, else None.
         reason: One line naming the choice, the bytes per rank and the budget.
+        sync_each_microstep: fsdp reducing every micro-step (``FSDPStrategy``'s argument).
     """
 
     strategy: str
     sharding: str | None
     reason: str
+    sync_each_microstep: bool = False
 
 
 def choose_strategy(
@@ -57,9 +65,12 @@ def choose_strategy(
     tried in that order (each communicates more than the one before). On several nodes (the
     estimates have the hsdp rows) the link between nodes decides: ddp, hsdp ``grad_op``, hsdp
     ``full`` (sharded within a node, so a model that fits sharded over one node's ranks
-    crosses nodes once per step), then zero1 and fsdp. DeepSpeed is never picked
-    automatically. When nothing fits the answer is fsdp ``full`` with a reason saying by how
-    much it misses: the caller decides whether that is an error.
+    crosses nodes once per step), then zero1 and fsdp. With a window (the estimates have
+    ``SYNC_ROWS``, whose fsdp default holds unsharded window gradients) fsdp with
+    ``sync_each_microstep=True`` comes last, ``grad_op`` then ``full``. DeepSpeed is never picked
+    automatically. When nothing fits the answer is the least memory, fsdp ``full`` (with a window
+    ``sync_each_microstep``), with a reason saying by how much it misses: the caller decides
+    whether that is an error.
 
     Args:
         estimates: From ``estimate_memory`` (must include ddp, zero1, fsdp-grad_op, fsdp-full).
@@ -91,24 +102,39 @@ def choose_strategy(
         return StrategyChoice(
             strategy="single", sharding=None, reason=f"single (world size 1): {verdict}"
         )
-    for name, strategy, sharding in _AUTO_ORDER_NODES if nodes else _AUTO_ORDER:
+    order = (_AUTO_ORDER_NODES if nodes else _AUTO_ORDER) + tuple(
+        row for row in _SYNC_ORDER if row[0] in by_name)
+    for name, strategy, sharding in order:
         total = by_name[name].total_bytes
         if total <= budget:
-            label = strategy if sharding is None else f"{strategy} (sharding={sharding})"
-            reason = f"{label}: {_verdict(total, budget, of_budget)}"
+            reason = f"{_label(name, strategy, sharding)}: {_verdict(total, budget, of_budget)}"
             if name != "ddp":
                 reason += f"; ddp needs {_gib(ddp_total)}"
             if strategy == "hsdp":
                 within = f"the {ranks_per_node} ranks of a node" if ranks_per_node else "a node"
                 reason += (f"; sharded within {within}, replicated across nodes: "
                            "the nodes exchange gradient shards once per step")
-            return StrategyChoice(strategy=strategy, sharding=sharding, reason=reason)
-    full_total = by_name["fsdp-full"].total_bytes
+            if name.endswith("-sync"):
+                default = by_name[name.removesuffix("-sync")].total_bytes
+                reason += (f"; its default would hold the window's unsharded gradients "
+                           f"({_gib(default)})")
+            return StrategyChoice(strategy=strategy, sharding=sharding, reason=reason,
+                                  sync_each_microstep=name.endswith("-sync"))
+    name, strategy, sharding = order[-1]  # fsdp full, the least memory
     reason = (
-        f"fsdp (sharding=full): {_verdict(full_total, budget, of_budget)}; nothing fits: use a "
+        f"{_label(name, strategy, sharding)}: "
+        f"{_verdict(by_name[name].total_bytes, budget, of_budget)}; nothing fits: use a "
         "smaller micro batch, activation checkpointing or more ranks"
     )
-    return StrategyChoice(strategy="fsdp", sharding="full", reason=reason)
+    return StrategyChoice(strategy=strategy, sharding=sharding, reason=reason,
+                          sync_each_microstep=name.endswith("-sync"))
+
+
+def _label(name: str, strategy: str, sharding: str | None) -> str:
+    if sharding is None:
+        return strategy
+    sync = ", sync_each_microstep=True" if name.endswith("-sync") else ""
+    return f"{strategy} (sharding={sharding}{sync})"
 
 
 def _verdict(total: int, budget: float, of_budget: str) -> str:
