@@ -136,7 +136,7 @@ class MemoryEstimate:
     """Bytes one data-parallel rank holds under one strategy.
 
     Attributes:
-        strategy: One of ``STRATEGIES``.
+        strategy: The row: one of ``STRATEGIES``, ``SYNC_ROWS``, ``HSDP_ROWS``, ``DEFER_ROWS``.
         params_bytes: Stored parameters plus what the strategy holds all-gathered.
         grads_bytes: Gradients (trainable parameters only).
         optimizer_bytes: Optimizer states plus fp32 master copies where kept.
