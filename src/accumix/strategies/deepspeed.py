@@ -392,8 +392,9 @@ class DeepSpeedStrategy(Strategy):
         self._engine_of.clear()
         self._trained.clear()
         self._groups.clear()
-        self._windows.stepped.clear()
-        self._windows.unstepped.clear()
+        # Every engine's window state goes: a later engine may be given a destroyed one's id().
+        self._windows = EngineWindows()
+        self._scale_updates.clear()
         release_group_references()  # DeepSpeed's cached clone of the world group
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
