@@ -228,6 +228,37 @@ def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStr
         result["single_object"] = None
     except axj.ConfigError as exc:
         result["single_object"] = str(exc)
+    uneven_masked_mean(result)
+
+
+def masked_mean_loss(params, batch, rng):
+    """Mean mode, the usual masked token mean: 0/0 on the zeros that pad a short window."""
+    err = (w.forward(params, batch["x"]) - batch["y"]) ** 2 * batch["mask"]
+    return err.sum() / batch["mask"].sum()
+
+
+def uneven_masked_mean(result: dict[str, object]) -> None:
+    """fsdp in both modes, windows of 4 and 3 (K=4) in mean mode with ``masked_mean_loss``: a
+    padded micro-step runs with its peer's (the collectives) and its gradient reaches a sum
+    inside the backward (the absolute accumulator, sync's reduce-scatter), so it must be exactly
+    zero, not 0 x NaN of the padding's 0/0 (was NaN when the step ran the padding itself).
+    Every row has all its tokens: the mean over the 14 (device, micro-step) units is the large
+    batch's mean."""
+    import optax
+
+    lr = 0.5
+    batches = w.micro_batches(7, rows=ROWS, seed=19, ragged=False)
+    window = batches[:4] if jax.process_index() == 0 else batches[4:]
+    grads = jax.grad(lambda q: w.mean_loss(q, w.concat(batches), None))(w.init_params())
+    ref = jax.tree.map(lambda q, g: q - lr * g, w.init_params(), grads)
+    diffs = {}
+    for name, strategy in (("fsdp", axj.FSDPStrategy()),
+                           ("fsdp-sync", axj.FSDPStrategy(sync_each_microstep=True))):
+        acc = axj.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=4)
+        state = acc.setup(w.init_params(), optax.sgd(lr))
+        state, _ = acc.train_step(masked_mean_loss)(state, window)
+        diffs[name] = w.max_diff(state.params, ref)
+    result["uneven_masked_mean"] = diffs
 
 
 def auto_choice(out: Path) -> None:
