@@ -109,6 +109,9 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
 def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: Path) -> None:
     _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "mismatch"],
          devices=1)
+    # The launcher holds JAX's coordinator port for the job: another bind of it is refused
+    # (was "taken": a free port picked, then lost before rank 0 bound it, a flaky failure).
+    assert json.loads((tmp_path / "port.json").read_text()) == "EADDRINUSE"
     messages = _results(tmp_path, "mismatch")
     assert len(messages) == 2 and messages[0] == messages[1]
     assert "processes disagree" in messages[0] and "(2, None, None)" in messages[0]

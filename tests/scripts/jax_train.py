@@ -5,7 +5,8 @@
                                          # windows of 4 and 3 micro-batches; then a torch
                                          # DataLoader per process, saved mid-epoch
     python jax_train.py OUT_DIR resume   # loads both saves, continues; writes the params
-    python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError
+    python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError (process
+                                         # 0 first tries to bind JAX's coordinator port)
 
 Each process feeds only its rows of every global micro-batch; the reference (one device, the
 whole window) is computed in every process from the same data. Results: OUT_DIR/*.json, *.npz.
@@ -286,9 +287,31 @@ def auto_choice(out: Path) -> None:
         {"chosen": chosen, "grad_accum_steps": acc.grad_accum_steps}))
 
 
+def take_coordinator_port(out: Path) -> None:
+    """Process 0, before JAX starts: another program binding the coordinator's port now (the
+    seconds between the launch and rank 0's bind) must be refused; it was not, and rank 0
+    then died with "Failed to start RPC server"."""
+    import errno
+    import socket
+
+    from accumix.common.launch_env import detect_launch_env
+    from accumix.jax.distributed import coordinator_address
+
+    host, port = coordinator_address(detect_launch_env()).rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        try:
+            thief.bind((host, int(port)))
+            taken = "taken"
+        except OSError as exc:
+            taken = errno.errorcode.get(exc.errno or 0, str(exc))
+    (out / "port.json").write_text(json.dumps(taken))
+
+
 def main(out: Path, mode: str, saved_processes: int) -> None:
     early = strategy_objects() if mode == "train" else {}  # before anything starts JAX
     if mode == "mismatch":
+        if os.environ["RANK"] == "0":
+            take_coordinator_port(out)
         try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
             axj.Accelerator(strategy="ddp", precision="fp32",
                             grad_accum_steps=K + int(os.environ["RANK"]))
