@@ -59,3 +59,34 @@ def test_jax_accum_table() -> None:
         assert keras[1].startswith("n/a: "), keras  # not installed: the row says why
     else:
         assert float(keras[1]) > 0 and float(keras[8]) > 1e-3 and float(keras[9]) > 1e-3, keras
+
+
+def test_jax_fsdp_peak_breakdown_adds_up() -> None:
+    """bench/jax_fsdp_peak.py (issue 30) on the 2-layer flax GPT: each row's parts, read from
+    XLA's own live-range dump at its peak, add up to ``memory_analysis()``'s arguments +
+    temporaries; fsdp's activations at its peak are no more than plain JAX's when its backward
+    starts; and plain's ``temp_size`` undercounts those (XLA keeps some in the buffers of the
+    gradients it returns), which is why the floor is read from the dump."""
+    import re
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "bench/jax_fsdp_peak.py", "--layers", "2",
+                           "--strategies", "fsdp", "fsdp-sync"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"bench/jax_fsdp_peak.py failed:\n{proc.stderr[-3000:]}"
+    plain = re.search(r"temp_size ([\d.]+) MiB; activations when its backward starts "
+                      r"([\d.]+) MiB, ([\d.]+) of them", proc.stdout)
+    assert plain, proc.stdout
+    temp, activations, parked = map(float, plain.groups())
+    assert parked > 0.5 and activations > temp, plain.groups()
+    headers, rows = parse_table(proc.stdout)
+    assert headers == ["strategy", "measured", "arguments", "carried", "activations",
+                       "gathered", "other backward", "other", "packing", "floor"]
+    assert [row[0] for row in rows] == ["fsdp", "fsdp-sync"]
+    for row in rows:
+        measured, *parts, floor = (float(cell.split()[0]) for cell in row[1:])
+        assert abs(sum(parts) - measured) <= 0.4, row  # 8 cells rounded to 0.1 MiB
+        assert floor == pytest.approx(sum(parts[:4]), abs=0.25) and floor <= measured, row
+        assert 0 < parts[2] <= activations, row  # no more activations than plain JAX keeps
+        assert parts[3] > 0, row  # a gathered weight alive for the backward

@@ -1,4 +1,5 @@
-"""Multi-process JAX from the launcher's variables: ``jax.distributed.initialize``, nothing else.
+"""Multi-process JAX from the launcher's variables: ``jax.distributed.initialize``, and the check
+that every process was launched with the same settings.
 
 The coordinator is ``ACCUMIX_JAX_COORDINATOR=host:port`` when set (``accumix launch`` on one
 node sets it to a loopback port it holds for the job), else, under torchrun, ``MASTER_ADDR`` at
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import jax
+import numpy as np
 
 from accumix.common.launch_env import LaunchEnv, detect_launch_env, is_loopback
+from accumix.errors import ConfigError
 
 log = logging.getLogger("accumix")
 
@@ -54,3 +58,21 @@ def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
     log.info("jax.distributed: process %d of %d, %d local devices", jax.process_index(),
              jax.process_count(), jax.local_device_count())
     return launch
+
+
+def check_same_config(mine: tuple[Any, ...]) -> None:
+    """Processes launched with different settings stop here, naming both, instead of
+    training apart (or hanging in a collective of another shape)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    text = repr(mine).encode()[:512].ljust(512)
+    every = multihost_utils.process_allgather(np.frombuffer(text, np.uint8))
+    texts = [bytes(row).decode(errors="replace").rstrip() for row in np.asarray(every)]
+    if len(set(texts)) > 1:
+        others = {i: s for i, s in enumerate(texts) if s != texts[0]}
+        raise ConfigError(
+            f"processes disagree on (precision, batch sizes, seed, loss scale) or on the "
+            f"strategy (at setup): "
+            f"process 0 has {texts[0]}, others {others}; launch every process alike")
