@@ -1,8 +1,11 @@
 """Multi-process JAX from the launcher's variables: ``jax.distributed.initialize``, and the check
 that every process was launched with the same settings.
 
-Under ``accumix launch`` / torchrun the coordinator is ``MASTER_ADDR`` at ``MASTER_PORT + 1``
-(torchrun's own store holds ``MASTER_PORT``); ``ACCUMIX_JAX_COORDINATOR=host:port`` overrides it.
+The coordinator is ``ACCUMIX_JAX_COORDINATOR=host:port`` when set (``accumix launch`` on one
+node sets it to a loopback port it holds for the job), else, under torchrun, ``MASTER_ADDR`` at
+``MASTER_PORT + 1`` (torchrun's own store holds ``MASTER_PORT``). A loopback coordinator listens
+on its own address only (JAX's default is every interface; ``JAX_COORDINATOR_BIND_ADDRESS``
+still overrides).
 Under Slurm or Open MPI, JAX finds the cluster itself. On CPU the cross-process collectives are
 gloo.
 """
@@ -16,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from accumix.common.launch_env import LaunchEnv, detect_launch_env
+from accumix.common.launch_env import LaunchEnv, detect_launch_env, is_loopback
 from accumix.errors import ConfigError
 
 log = logging.getLogger("accumix")
@@ -26,6 +29,14 @@ def coordinator_address(launch: LaunchEnv) -> str:
     """Where process 0 serves JAX's coordination service."""
     return os.environ.get("ACCUMIX_JAX_COORDINATOR") or (
         f"{launch.master_addr}:{launch.master_port + 1}")
+
+
+def bind_address(coordinator: str) -> str | None:
+    """Where process 0's service listens: the coordinator's address itself when that is a
+    loopback one (a one-machine job serves nothing beyond it), else JAX's choice (None)."""
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None  # JAX reads it
+    return coordinator if is_loopback(coordinator.rsplit(":", 1)[0]) else None
 
 
 def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
@@ -40,8 +51,10 @@ def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
     if launch.launcher in ("slurm", "mpi") and "ACCUMIX_JAX_COORDINATOR" not in os.environ:
         jax.distributed.initialize()  # JAX's own cluster detection
     else:
-        jax.distributed.initialize(coordinator_address=coordinator_address(launch),
-                                   num_processes=launch.world_size, process_id=launch.rank)
+        address = coordinator_address(launch)
+        jax.distributed.initialize(coordinator_address=address, num_processes=launch.world_size,
+                                   process_id=launch.rank,
+                                   coordinator_bind_address=bind_address(address))
     log.info("jax.distributed: process %d of %d, %d local devices", jax.process_index(),
              jax.process_count(), jax.local_device_count())
     return launch
