@@ -20,10 +20,12 @@ their payload bytes by whether the group's ranks span both nodes. Rows:
   DeepSpeed is installed, with ``stage3_param_persistence_threshold=0`` (every parameter
   gathered at its use, as a large model's are).
 
-Memory per device: the model states a rank holds (each storage once): the peak of parameter
-storage over the forward (shards and gathered buffers), the most gradient storage held during
-the window or after the boundary's backward (FSDP2's unsharded or partial accumulators too),
-the optimizer's states; next to ``accumix.memory.model``'s prediction.
+Memory per device: the model states a rank holds (each storage once, ``tests/model_states.py``):
+the peak of parameter storage over the forward (shards and gathered buffers), the most gradient
+storage held during the window or after the boundary's backward (FSDP2's unsharded or partial
+accumulators too), the optimizer's states; next to ``accumix.memory.model``'s prediction for
+that K (from K=2 fsdp's default and hsdp's ``defer_reduce_scatter`` hold the window's unsharded
+gradients: rows ``fsdp-full`` and ``hsdp-full-defer``).
 
 The projection (no speed is measured on a CPU): each cross-node collective, as a multiple of
 the model's bytes, moved to a cluster (``--nodes`` x ``--gpus-per-node``, ``--params``,
@@ -40,6 +42,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
+import sys
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -48,14 +52,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 import accumix as ax
 from _common import machine_line, markdown_table
 from accumix.memory.model import estimate_memory
 from accumix.testing import CollectiveLog, spawn
 from accumix.testing import ResidualBlock as Block
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.model_states import grad_bytes, optimizer_bytes, param_bytes  # noqa: E402
 
 KIB, MIB, GB = 1024, 1024**2, 1e9
 NODES, WORLD, MICRO = 2, 4, 8
@@ -65,7 +70,7 @@ ROWS = {  # row: (label, gradient mode, memory model row)
     "hsdp": ("hsdp (full)", "sharded: reduce-scatter in node, all-reduce at boundary",
              "hsdp-full"),
     "hsdp-defer": ("hsdp (full)", "full during the window (defer_reduce_scatter=True)",
-                   "hsdp-full"),
+                   "hsdp-full-defer"),
     "deepspeed-3": ("deepspeed-3", "reduce-scatter every micro-step", "deepspeed-3"),
     "deepspeed-3-hpz": ("deepspeed-3 hpz='node'", "reduce-scatter every micro-step",
                         "deepspeed-3"),
@@ -90,46 +95,6 @@ def make_strategy(row: str) -> Any:
                                     config={"zero_optimization": {
                                         "stage3_param_persistence_threshold": 0}})
     return "ddp"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
-    seen = {t.untyped_storage().data_ptr() or id(t): t.untyped_storage().nbytes()
-            for t in tensors if t is not None}
-    return sum(seen.values())
-
-
-def _fsdp_params(module: nn.Module) -> list[Any]:
-    return [fp for unit in module.modules() if isinstance(unit, FSDPModule)
-            for group in unit._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
-
-
-def param_bytes(module: nn.Module) -> int:
-    """Parameter storage alive now: shards, FSDP2's gathered buffers, ZeRO-3 partitions."""
-    tensors = [_local(p.data) for p in module.parameters()]
-    tensors += [p.ds_tensor for p in module.parameters() if hasattr(p, "ds_tensor")]
-    for fp in _fsdp_params(module):  # FSDP2 internals (no public API)
-        tensors.append(_local(fp.sharded_param))
-        tensors.extend(fp.all_gather_outputs)
-    return storage_bytes(tensors)
-
-
-def grad_bytes(acc: ax.Accelerator, module: nn.Module) -> int:
-    """Gradient storage held: the gradients the strategy steps with, ``param.grad``, FSDP2's
-    unsharded accumulated gradients and hsdp's partial (reduce-scattered) accumulators."""
-    params = list(module.parameters())
-    tensors = [_local(g) for g in acc.strategy.local_grads(params)]
-    tensors += [_local(p.grad) for p in params if p.grad is not None]
-    for fp in _fsdp_params(module):
-        unsharded = getattr(fp, "_unsharded_param", None)
-        tensors += [fp.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad]
-    tensors += [group._partial_reduce_output for unit in module.modules()
-                if isinstance(unit, FSDPModule) for group in unit._get_fsdp_state()
-                ._fsdp_param_groups]
-    return storage_bytes(tensors)
 
 
 def measure(row: str, k: int, width: int, blocks: int, steps: int) -> dict[str, Any]:
@@ -160,14 +125,9 @@ def measure(row: str, k: int, width: int, blocks: int, steps: int) -> dict[str, 
                 stack.enter_context(log)
             with acc.accumulate():
                 acc.backward(model(x).square().mean())
-                peak["grads"] = max(peak["grads"], grad_bytes(acc, module))
+                peak["grads"] = max(peak["grads"], grad_bytes(acc.strategy, module))
                 opt.step()
                 opt.zero_grad()
-    inner = getattr(opt, "optimizer", opt)
-    states = [_local(t) for s in inner.state.values() for t in s.values()
-              if isinstance(t, torch.Tensor) and t.dim()]
-    stepped = [p for g in inner.param_groups for p in g["params"] if not any(
-        p is q for q in module.parameters())]  # DeepSpeed's flat fp32 partitions
     by: dict[str, float] = defaultdict(float)
     for call in log.calls:
         nodes = {r // (acc.world_size // NODES) for r in call.ranks}
@@ -175,7 +135,7 @@ def measure(row: str, k: int, width: int, blocks: int, steps: int) -> dict[str, 
             "world" if len(call.ranks) == acc.world_size else "replicas")
         by[f"{where}|{call.op}"] += call.nbytes / steps
     return {"bytes": dict(by), "params": peak["params"], "grads": peak["grads"],
-            "optimizer": storage_bytes(states + [_local(p) for p in stepped])}
+            "optimizer": optimizer_bytes(opt, module)}
 
 
 def rank_main(rows: list[str], ks: list[int], width: int, blocks: int, steps: int
@@ -246,16 +206,20 @@ def main() -> None:
     model = make_model(args.width, args.blocks)
     n = sum(p.numel() for p in model.parameters())
     model_bytes = 4 * n
-    predicted = {e.strategy: e.total_bytes for e in estimate_memory(
-        model, world_size=WORLD, ranks_per_node=WORLD // NODES, optimizer_states=2)}
-    cluster = {e.strategy: e.total_bytes for e in estimate_memory(
+    # by K: from K=2 the window rows (fsdp's default and hsdp-*-defer hold it unsharded)
+    predicted = {k: {e.strategy: e.total_bytes for e in estimate_memory(
+        model, world_size=WORLD, ranks_per_node=WORLD // NODES, optimizer_states=2,
+        grad_accum_steps=k)} for k in args.k}
+    cluster = {k: {e.strategy: e.total_bytes for e in estimate_memory(
         int(args.params), world_size=args.nodes * args.gpus_per_node,
         ranks_per_node=args.gpus_per_node, optimizer_states=2, block_params=int(args.params)
-        // 32)}
+        // 32, grad_accum_steps=k)} for k in args.k}
     measured, projected = [], []
     for row in rows:
-        label, mode, memory_row = ROWS[row]
+        label, mode, window_row = ROWS[row]
         for k in args.k:
+            # one micro-step a window: the defer row is hsdp's default (listed from K=2)
+            memory_row = window_row if window_row in predicted[k] else "hsdp-full"
             per_rank = [r[f"{row}|{k}"] for r in results]
             if any(isinstance(r, str) for r in per_rank):
                 reason = next(r for r in per_rank if isinstance(r, str))
@@ -269,13 +233,13 @@ def main() -> None:
             held = max(r["params"] + r["grads"] + r["optimizer"] for r in per_rank)
             measured.append([label, mode, k, f"{across / MIB:.3f}", f"{across / model_bytes:.2f}",
                              f"{inside / MIB:.3f}", f"{inside / model_bytes:.2f}",
-                             f"{held / KIB:,.1f}", f"{predicted[memory_row] / KIB:,.1f}",
-                             f"{held / predicted[memory_row]:.3f}", ""])
+                             f"{held / KIB:,.1f}", f"{predicted[k][memory_row] / KIB:,.1f}",
+                             f"{held / predicted[k][memory_row]:.3f}", ""])
             sent, seconds = project(by, model_bytes, nodes=args.nodes,
                                     per_node=args.gpus_per_node, params=args.params,
                                     gbps=args.gbps)
             projected.append([label, mode, k, f"{sent / GB:,.1f}", f"{seconds:.2f}",
-                              f"{cluster[memory_row] / 2**30:,.1f}"])
+                              f"{cluster[k][memory_row] / 2**30:,.1f}"])
     print(machine_line(f"{WORLD} ranks as {NODES} nodes of {WORLD // NODES}, gloo"))
     print(f"model: {n:,} parameters = {model_bytes / MIB:.3f} MiB fp32 ({args.blocks} blocks "
           f"of width {args.width}), Adam, fp32, micro-batch {MICRO}; per optimizer step, "

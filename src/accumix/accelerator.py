@@ -30,10 +30,8 @@ from torch import nn
 
 from accumix.checkpoint import model_file
 from accumix.checkpoint import save_load as checkpoint
-from accumix.common.launch_env import LaunchEnv
 from accumix.common.micro_batch_search import (
     DEFAULT_HEADROOM,
-    MicroBatchChoice,
     check_micro_batch_word,
     is_auto,
     parse_memory_limit,
@@ -44,7 +42,7 @@ from accumix.memory.peak_memory import device_total_bytes
 from accumix.precision import DynamicLossScale, NoLossScale, Policy, resolve_policy
 from accumix.precision.loss_scale import check_loss_scale_use
 from accumix.precision.policy import dtype_name, with_reduce_dtype
-from accumix.precision.reduce_dtype import EffectiveDtypes, parse_reduce_dtype
+from accumix.precision.reduce_dtype import parse_reduce_dtype
 from accumix.runtime import fault
 from accumix.runtime.env import detect_launch_env, init_process_group, pick_device, seed_everything
 from accumix.runtime.logging_setup import configure_logging
@@ -52,10 +50,11 @@ from accumix.step import accum_steps, boundary, lifecycle, micro_step, object_se
 from accumix.step.accumulation import AccumulationWindow
 from accumix.step.compile import CompileSetting, resolve_compile, unwrap
 from accumix.step.run_state import RunState
+from accumix.step.run_view import RunView
 from accumix.strategies import Strategy, resolve_strategy
 
 
-class Accelerator:
+class Accelerator(RunView):
     """Runs one plain PyTorch loop on a CPU, a GPU, many GPUs or many machines.
 
     Args:
@@ -86,6 +85,8 @@ class Accelerator:
 
     Raises:
         ConfigError: an unknown word, an impossible combination or batch sizes that don't divide.
+
+    Read-only state (``rank``, ``device``, ``optimizer_steps``, ...): ``step/run_view.py``.
     """
 
     def __init__(
@@ -140,85 +141,6 @@ class Accelerator:
         self._micro_step = micro_step._MicroStep(run, ())  # accumulate()'s common context
         lifecycle.check_same_config(run)
 
-    # -- read-only state ---------------------------------------------------------------------
-    @property
-    def launch(self) -> LaunchEnv:
-        """Who this process is in the job (rank, world, local rank, master address)."""
-        return self._run.launch
-
-    @property
-    def device(self) -> torch.device:
-        return self._run.device
-
-    @property
-    def policy(self) -> Policy:
-        """The precision policy in force (param, compute and reduce dtypes)."""
-        return self._run.policy
-
-    @property
-    def effective_dtypes(self) -> EffectiveDtypes:
-        """The dtypes the run really uses: parameters, compute, gradient accumulation, the
-        reduction (and how often it runs) and the optimizer's masters (logged at setup)."""
-        return self._run.strategy.effective_dtypes()
-
-    @property
-    def strategy(self) -> Strategy:
-        """The strategy in force (after ``"auto"`` chose, at the first set-up model)."""
-        return self._run.strategy
-
-    @property
-    def seed(self) -> int | None:
-        return self._run.seed
-
-    @property
-    def rank(self) -> int:
-        return self._run.launch.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._run.launch.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self._run.launch.local_rank
-
-    @property
-    def is_main_process(self) -> bool:
-        return self._run.launch.rank == 0
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps really taken (a skipped fp16 step does not count)."""
-        return self._run.optimizer_steps
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the last boundary's step was skipped (an fp16 overflow)."""
-        return self._run.step_was_skipped
-
-    @property
-    def grad_accum_steps(self) -> int:
-        return self._run.window.grad_accum_steps
-
-    @grad_accum_steps.setter
-    def grad_accum_steps(self, steps: int) -> None:
-        """Changes K for the windows that follow (e.g. a ``GradientAccumulationScheduler``).
-
-        Raises:
-            ConfigError: ``steps`` is not an integer >= 1, or a window is half done.
-        """
-        accum_steps.assign(self._run, steps)
-
-    @property
-    def sync_gradients(self) -> bool:
-        """Whether the current (or last) micro-step ends the accumulation window."""
-        return self._run.window.is_boundary
-
-    @property
-    def loss_scale(self) -> float | None:
-        """The current fp16 loss scale, or None when no loss scaling is in use."""
-        return self._run.strategy.loss_scale
-
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, *objects: Any) -> Any:
         """Prepares modules, optimizers, LR schedulers and DataLoaders, in any order.
@@ -263,17 +185,6 @@ class Accelerator:
 
         return find_micro_batch_size(self._run, step, make_batch, headroom=headroom,
                                      run_dir=run_dir)
-
-    @property
-    def micro_batch_size(self) -> int | str | None:
-        """Samples per forward on one rank as set: the given number, ``"auto"`` until
-        ``find_micro_batch_size`` chose (then the choice), or None (the loader's)."""
-        return self._run.batch_sizes[2]
-
-    @property
-    def micro_batch_choice(self) -> MicroBatchChoice | None:
-        """What ``micro_batch_size="auto"`` chose and why (None before, or without auto)."""
-        return self._run.micro_batch_choice
 
     # -- the step ------------------------------------------------------------------------------
     def accumulate(self, *models: nn.Module) -> micro_step._MicroStep:

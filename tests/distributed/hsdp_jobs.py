@@ -166,47 +166,33 @@ def _refuses_interleaved_nodes() -> str:
     return "accepted"
 
 
-def _memory() -> dict[str, int]:
-    """Model-state bytes on this rank (each storage once) under hsdp full, K=2, Adam: the peak
-    of parameters (shards + gathered buffers) over the forward, the gradients held mid-window
-    and after the boundary's backward, the optimizer's states; and the memory model's rows."""
-    from torch.distributed.fsdp import FSDPModule
+# (memory model row, K) of ``_memory``: hsdp's default reduce-scatters every micro-step into
+# shards, ``defer_reduce_scatter=True`` holds the window's unsharded gradients from K=2.
+MEMORY_CASES = [("hsdp-full", 2), ("hsdp-full-defer", 1), ("hsdp-full-defer", 2),
+                ("hsdp-grad_op-defer", 2)]
 
-    model = Net(width=64, blocks=4)
-    estimates = {e.strategy: e.total_bytes for e in estimate_memory(
-        model, world_size=WORLD, ranks_per_node=WORLD // NODES, optimizer_states=2)}
-    acc = ax.Accelerator(strategy="hsdp", precision="fp32", grad_accum_steps=2)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model, opt = acc.setup(model, opt)
-    module = acc.unwrap(model)
-    groups = [g for u in module.modules() if isinstance(u, FSDPModule)
-              for g in u._get_fsdp_state()._fsdp_param_groups]
 
-    def storages(tensors: list[torch.Tensor]) -> int:
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in tensors if t is not None}.values())
+def _memory() -> dict[str, Any]:
+    """Model-state bytes on this rank (``tests/model_states.py``) under each of
+    ``MEMORY_CASES`` with Adam, and the memory model's rows for them (and ddp's)."""
+    from tests.model_states import window_model_states
 
-    peak = {"params": 0, "grads": 0}
-
-    def params_now(*_: Any) -> None:
-        tensors = [_local(fp.sharded_param) for g in groups for fp in g.fsdp_params]
-        tensors += [t for g in groups for fp in g.fsdp_params for t in fp.all_gather_outputs]
-        peak["params"] = max(peak["params"], storages(tensors))
-
-    for sub in module.modules():
-        sub.register_forward_hook(params_now, prepend=True)  # before FSDP reshards the unit
-    x = torch.randn(8, 6)
-    for _ in range(2):
-        with acc.accumulate():
-            acc.backward(model(x).square().mean())
-            held = [_local(p.grad) for p in module.parameters() if p.grad is not None]
-            held += [g._partial_reduce_output for g in groups]  # the window's shards
-            peak["grads"] = max(peak["grads"], storages(held))
-            opt.step()
-    states = [_local(t) for s in opt.state.values() for t in s.values()
-              if isinstance(t, torch.Tensor) and t.dim()]
-    return {"measured": peak["params"] + peak["grads"] + storages(states),
-            "hsdp": estimates["hsdp-full"], "ddp": estimates["ddp"]}
+    out: dict[str, Any] = {}
+    for row, steps in MEMORY_CASES:
+        model = Net(width=64, blocks=4)
+        rows = {e.strategy: e.total_bytes for e in estimate_memory(
+            model, world_size=WORLD, ranks_per_node=WORLD // NODES, grad_accum_steps=steps)}
+        strategy = ax.HSDPStrategy(sharding=row.split("-")[1],
+                                   defer_reduce_scatter=row.endswith("defer"))
+        acc = ax.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=steps)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model, opt = acc.setup(model, opt)
+        held = window_model_states(acc, model, opt, torch.randn(8, 6), micro_steps=steps)
+        # a K=1 window holds what the default does: the defer rows are listed from K=2 only
+        out[f"{row}|{steps}"] = {"measured": held["total"],
+                                 "model": rows.get(row, rows[row.removesuffix("-defer")]),
+                                 "ddp": rows["ddp"]}
+    return out
 
 
 def _out_of_memory_split() -> dict[str, Any]:

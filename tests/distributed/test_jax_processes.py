@@ -74,6 +74,11 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     for name, params in golden.items():
         assert trained[0]["uneven_strategy_params"][name] == params, name
     assert [r["single_object"] for r in trained] == [trained[0]["single"]] * 2
+    # The same windows in mean mode with a masked token mean (0/0 on padding), fsdp both
+    # modes: the padded micro-step adds exact zeros (NaN when it ran on the padding's zeros).
+    for r in trained:
+        assert r["uneven_masked_mean"].keys() == {"fsdp", "fsdp-sync"}, r
+        assert all(d < 1e-6 for d in r["uneven_masked_mean"].values()), r["uneven_masked_mean"]
 
     # The same job's DataLoader run: each process's loader takes its shard; the global windows
     # equal the two shards side by side (short last window included).
@@ -104,6 +109,9 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
 def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: Path) -> None:
     _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "mismatch"],
          devices=1)
+    # The launcher holds JAX's coordinator port for the job: another bind of it is refused
+    # (was "taken": a free port picked, then lost before rank 0 bound it, a flaky failure).
+    assert json.loads((tmp_path / "port.json").read_text()) == "EADDRINUSE"
     messages = _results(tmp_path, "mismatch")
     assert len(messages) == 2 and messages[0] == messages[1]
     assert "processes disagree" in messages[0] and "(2, None, None)" in messages[0]

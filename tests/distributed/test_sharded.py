@@ -96,15 +96,18 @@ def _equivalence(out_dir: str) -> dict[str, Any]:
 
 
 def _auto_picks_fsdp_full() -> dict[str, Any]:
-    """strategy="auto" with a device that fits fsdp full but not grad_op (fake size)."""
+    """strategy="auto" with a device that fits fsdp full but not zero1 or grad_op (fake size),
+    K=3: fsdp full's default with its window's unsharded gradients."""
     model, data = Net(), w.regression_data(96)
-    by_name = {e.strategy: e.total_bytes
-               for e in estimate_memory(model, world_size=2, optimizer_states=1)}
-    device = int((by_name["fsdp-full"] + by_name["fsdp-grad_op"]) / 2 / 0.8)
+    by_name = {e.strategy: e.total_bytes for e in estimate_memory(
+        model, world_size=2, optimizer_states=1, grad_accum_steps=3)}
+    assert by_name["fsdp-full"] < by_name["zero1"] < by_name["fsdp-grad_op"], by_name
+    device = int((by_name["fsdp-full"] + by_name["zero1"]) / 2 / 0.8)
     with mock.patch("accumix.strategies.registry.device_free_bytes", return_value=device):
         got, acc = w.accumix_params(model, data, micro_batch=4, steps=3, items=False)
     ref = w.reference_params(model, data, 24, items=False)
-    return {"chosen": (acc.strategy.name, getattr(acc.strategy, "sharding", None)),
+    return {"chosen": (acc.strategy.name, getattr(acc.strategy, "sharding", None),
+                       getattr(acc.strategy, "sync_each_microstep", None)),
             "diff": w.max_diff(ref, _full(got))}
 
 
@@ -332,7 +335,7 @@ def test_sharded_strategies_two_ranks(tmp_path: Path) -> None:
             if rank == 0:
                 assert eq[f"{name}/saved_keys"], name
                 assert eq[f"{name}/saved"] < TOL, (name, eq[f"{name}/saved"])
-        assert r["auto"]["chosen"] == ("fsdp", "full"), r["auto"]
+        assert r["auto"]["chosen"] == ("fsdp", "full", False), r["auto"]
         assert r["auto"]["diff"] < TOL, r["auto"]
         assert r["tied"] < TOL, (rank, r["tied"])
         for name, clip in r["clip"].items():

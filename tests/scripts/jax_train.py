@@ -5,7 +5,8 @@
                                          # windows of 4 and 3 micro-batches; then a torch
                                          # DataLoader per process, saved mid-epoch
     python jax_train.py OUT_DIR resume   # loads both saves, continues; writes the params
-    python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError
+    python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError (process
+                                         # 0 first tries to bind JAX's coordinator port)
 
 Each process feeds only its rows of every global micro-batch; the reference (one device, the
 whole window) is computed in every process from the same data. Results: OUT_DIR/*.json, *.npz.
@@ -228,6 +229,37 @@ def uneven_every_strategy(result: dict[str, object], early: dict[str, axj.JaxStr
         result["single_object"] = None
     except axj.ConfigError as exc:
         result["single_object"] = str(exc)
+    uneven_masked_mean(result)
+
+
+def masked_mean_loss(params, batch, rng):
+    """Mean mode, the usual masked token mean: 0/0 on the zeros that pad a short window."""
+    err = (w.forward(params, batch["x"]) - batch["y"]) ** 2 * batch["mask"]
+    return err.sum() / batch["mask"].sum()
+
+
+def uneven_masked_mean(result: dict[str, object]) -> None:
+    """fsdp in both modes, windows of 4 and 3 (K=4) in mean mode with ``masked_mean_loss``: a
+    padded micro-step runs with its peer's (the collectives) and its gradient reaches a sum
+    inside the backward (the absolute accumulator, sync's reduce-scatter), so it must be exactly
+    zero, not 0 x NaN of the padding's 0/0 (was NaN when the step ran the padding itself).
+    Every row has all its tokens: the mean over the 14 (device, micro-step) units is the large
+    batch's mean."""
+    import optax
+
+    lr = 0.5
+    batches = w.micro_batches(7, rows=ROWS, seed=19, ragged=False)
+    window = batches[:4] if jax.process_index() == 0 else batches[4:]
+    grads = jax.grad(lambda q: w.mean_loss(q, w.concat(batches), None))(w.init_params())
+    ref = jax.tree.map(lambda q, g: q - lr * g, w.init_params(), grads)
+    diffs = {}
+    for name, strategy in (("fsdp", axj.FSDPStrategy()),
+                           ("fsdp-sync", axj.FSDPStrategy(sync_each_microstep=True))):
+        acc = axj.Accelerator(strategy=strategy, precision="fp32", grad_accum_steps=4)
+        state = acc.setup(w.init_params(), optax.sgd(lr))
+        state, _ = acc.train_step(masked_mean_loss)(state, window)
+        diffs[name] = w.max_diff(state.params, ref)
+    result["uneven_masked_mean"] = diffs
 
 
 def auto_choice(out: Path) -> None:
@@ -255,9 +287,31 @@ def auto_choice(out: Path) -> None:
         {"chosen": chosen, "grad_accum_steps": acc.grad_accum_steps}))
 
 
+def take_coordinator_port(out: Path) -> None:
+    """Process 0, before JAX starts: another program binding the coordinator's port now (the
+    seconds between the launch and rank 0's bind) must be refused; it was not, and rank 0
+    then died with "Failed to start RPC server"."""
+    import errno
+    import socket
+
+    from accumix.common.launch_env import detect_launch_env
+    from accumix.jax.distributed import coordinator_address
+
+    host, port = coordinator_address(detect_launch_env()).rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        try:
+            thief.bind((host, int(port)))
+            taken = "taken"
+        except OSError as exc:
+            taken = errno.errorcode.get(exc.errno or 0, str(exc))
+    (out / "port.json").write_text(json.dumps(taken))
+
+
 def main(out: Path, mode: str, saved_processes: int) -> None:
     early = strategy_objects() if mode == "train" else {}  # before anything starts JAX
     if mode == "mismatch":
+        if os.environ["RANK"] == "0":
+            take_coordinator_port(out)
         try:  # RANK: jax.process_index() before the Accelerator would start JAX too early
             axj.Accelerator(strategy="ddp", precision="fp32",
                             grad_accum_steps=K + int(os.environ["RANK"]))

@@ -21,9 +21,11 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 64), *blocks, nn.Linear(64, 2))
 
 
-def _totals(model: nn.Module, precision: str, states: int) -> dict[str, int]:
+def _totals(model: nn.Module, precision: str, states: int, steps: int | None = 1
+            ) -> dict[str, int]:
     return {e.strategy: e.total_bytes for e in estimate_memory(
-        model, world_size=2, precision=precision, optimizer_states=states)}
+        model, world_size=2, precision=precision, optimizer_states=states,
+        grad_accum_steps=steps)}
 
 
 def _device_between(larger: int, smaller: int) -> int:
@@ -32,10 +34,14 @@ def _device_between(larger: int, smaller: int) -> int:
 
 
 def _choose(model: nn.Module, optimizer: torch.optim.Optimizer, policy: Policy, device: int,
-            world_size: int = 2) -> tuple[str, str | None, str]:
+            world_size: int = 2, steps: int | None = 1) -> tuple[str, str | None, str]:
     strategy, reason = choose_auto_strategy(model, [optimizer], policy=policy,
-                                            world_size=world_size, device_bytes=device)
-    return strategy.name, getattr(strategy, "sharding", None), reason
+                                            world_size=world_size, device_bytes=device,
+                                            grad_accum_steps=steps)
+    sharding = getattr(strategy, "sharding", None)
+    if getattr(strategy, "sync_each_microstep", False):
+        sharding = f"{sharding}, sync_each_microstep"
+    return strategy.name, sharding, reason
 
 
 def test_one_process_is_single_whatever_the_size() -> None:
@@ -98,3 +104,22 @@ def test_bad_device_size_is_a_config_error(device: int) -> None:
     model = _model()
     with pytest.raises(ConfigError, match="device_bytes"):
         _choose(model, torch.optim.Adam(model.parameters()), FP32, device)
+
+
+@pytest.mark.parametrize("steps", [4, None])
+def test_a_window_that_fsdps_default_cannot_hold_picks_sync_each_microstep(
+        steps: int | None) -> None:
+    """K=4 (or not known yet): fsdp full's default sums the window in unsharded gradients; on a
+    device where only its sync_each_microstep fits, that is the choice, where the model
+    counting one micro-step picked the default (which then held more than the budget)."""
+    model = _model()
+    adam = torch.optim.Adam(model.parameters())
+    one, window = _totals(model, "bf16-mixed", 2), _totals(model, "bf16-mixed", 2, steps)
+    assert window["fsdp-full-sync"] == one["fsdp-full"] < window["fsdp-full"]
+    smallest_default = min(window[r] for r in ("ddp", "zero1", "fsdp-grad_op", "fsdp-full",
+                                               "fsdp-grad_op-sync"))
+    device = _device_between(smallest_default, window["fsdp-full-sync"])
+    assert _choose(model, adam, BF16_MIXED, device)[:2] == ("fsdp", "full")  # at K=1
+    name, sharding, reason = _choose(model, adam, BF16_MIXED, device, steps=steps)
+    assert (name, sharding) == ("fsdp", "full, sync_each_microstep"), reason
+    assert "its default would hold the window's unsharded gradients" in reason

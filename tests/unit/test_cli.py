@@ -120,6 +120,50 @@ def test_launch_plan_defaults_and_slurm() -> None:
         slurm_settings({**slurm, "SLURM_STEP_NUM_TASKS": "16"})
 
 
+def test_one_node_launch_holds_the_jax_coordinator_port_on_loopback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port the ranks are told for JAX's coordinator stays bound by the launcher: a plain
+    bind is refused (before, a free port could be taken before rank 0 bound it), a
+    SO_REUSEPORT listener of the same user (JAX's gRPC service) binds it and is reached."""
+    import errno
+    import socket
+
+    from accumix.cli.launch import jax_coordinator_port
+
+    monkeypatch.delenv("ACCUMIX_JAX_COORDINATOR", raising=False)
+    with jax_coordinator_port(plan_launch(nproc=2, environ={})):
+        host, port = os.environ["ACCUMIX_JAX_COORDINATOR"].rsplit(":", 1)
+        assert host == "127.0.0.1"
+        with socket.socket() as other, pytest.raises(OSError) as refused:
+            other.bind((host, int(port)))
+        assert refused.value.errno == errno.EADDRINUSE
+        with socket.socket() as service:
+            service.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            service.bind((host, int(port)))
+            service.listen()
+            with socket.socket() as client:  # closes first: its side keeps the TIME_WAIT
+                client.connect((host, int(port)))
+                accepted = service.accept()[0]
+            accepted.close()
+    assert "ACCUMIX_JAX_COORDINATOR" not in os.environ
+    with socket.socket() as other:
+        other.bind((host, int(port)))  # released with the launch
+    # Several nodes (each its own launcher) keep MASTER_PORT + 1; a set variable wins.
+    with jax_coordinator_port(plan_launch(nproc=1, nnodes=2, master_addr="127.0.0.1",
+                                          environ={})):
+        assert "ACCUMIX_JAX_COORDINATOR" not in os.environ
+    monkeypatch.setenv("ACCUMIX_JAX_COORDINATOR", "127.0.0.1:1234")
+    with jax_coordinator_port(plan_launch(nproc=2, environ={})):
+        assert os.environ["ACCUMIX_JAX_COORDINATOR"] == "127.0.0.1:1234"
+    # Process 0's service listens on the loopback address only (JAX's default: every one).
+    pytest.importorskip("jax")
+    from accumix.jax.distributed import bind_address
+
+    assert bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
+    assert bind_address("localhost:1234") == "localhost:1234"
+    assert bind_address("10.1.2.3:1234") is None
+
+
 def test_output_errors_of_a_two_process_job_are_one_line_before_any_rank_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,8 @@ from torch import nn
 import accumix as ax
 from accumix.cli.main import main
 from accumix.common.launch_env import LaunchEnv, detect_launch_env, slurm_tasks_per_node
-from accumix.memory.model import HSDP_ROWS, STRATEGIES, choose_strategy, estimate_memory
+from accumix.memory.model import DEFER_ROWS, HSDP_ROWS, STRATEGIES, SYNC_ROWS, estimate_memory
+from accumix.memory.strategy_choice import choose_strategy
 from accumix.precision import Policy
 from accumix.strategies.node_groups import mesh_shape
 from accumix.strategies.registry import choose_auto_strategy
@@ -93,6 +94,19 @@ def test_memory_model_hsdp_rows_are_fsdp_over_a_node() -> None:
         assert (hsdp.params_bytes, hsdp.grads_bytes, hsdp.optimizer_bytes) == (
             fsdp.params_bytes, fsdp.grads_bytes, fsdp.optimizer_bytes)
     assert nodes["hsdp-full"].total_bytes < nodes["ddp"].total_bytes / 4
+    # A window: hsdp's default reduce-scatters each micro-step (its K=1 rows); deferred, each
+    # rank holds the window's unsharded fp32 gradients, as fsdp's default does.
+    window = {e.strategy: e for e in estimate_memory(7 * 10**9, world_size=64,
+                                                     precision="bf16-mixed", block_params=10**8,
+                                                     ranks_per_node=8, grad_accum_steps=4)}
+    assert list(window) == [*STRATEGIES[:4], *SYNC_ROWS, *HSDP_ROWS, *DEFER_ROWS,
+                            *STRATEGIES[4:]]
+    for sharding in ("grad_op", "full"):
+        hsdp, defer = window[f"hsdp-{sharding}"], window[f"hsdp-{sharding}-defer"]
+        assert hsdp == nodes[f"hsdp-{sharding}"]
+        assert defer.grads_bytes == window[f"fsdp-{sharding}"].grads_bytes == 4 * 7 * 10**9
+        assert (defer.params_bytes, defer.optimizer_bytes) == (hsdp.params_bytes,
+                                                               hsdp.optimizer_bytes)
     # one node, or one rank per node: no hsdp row
     for per_node in (64, 1):
         rows = [e.strategy for e in estimate_memory(10**6, world_size=64,
@@ -147,6 +161,15 @@ def test_estimate_memory_cli_lists_hsdp_on_several_nodes(
     assert main(["estimate-memory", "--params", "7e9", "--world-size", "4", "--nodes",
                  "3"]) == 2
     assert "--nodes=3 is invalid" in capsys.readouterr().err
+    assert main(["estimate-memory", "--params", "7e9", "--world-size", "64", "--nodes", "8",
+                 "--device-gib", "80", "--precision", "bf16-mixed", "--grad-accum-steps",
+                 "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "8 nodes x 8 ranks, K=4," in lines[0]
+    assert [line.split()[0] for line in lines[2:15]] == [
+        *STRATEGIES[:4], *SYNC_ROWS, *HSDP_ROWS, *DEFER_ROWS, *STRATEGIES[4:]]
+    assert main(["estimate-memory", "--params", "7e9", "--grad-accum-steps", "0"]) == 2
+    assert "--grad-accum-steps=0 is invalid" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -6,20 +6,20 @@ import pytest
 import torch
 from torch import nn
 
-from accumix.memory import model as memory
+from accumix.memory import device_memory
+from accumix.memory.device_memory import device_free_bytes
 from accumix.memory.model import (
     PRECISIONS,
     STRATEGIES,
+    SYNC_ROWS,
     MemoryEstimate,
-    StrategyChoice,
-    choose_strategy,
     count_params,
-    device_free_bytes,
     estimate_memory,
     format_table,
     gathered_params,
     repeated_blocks,
 )
+from accumix.memory.strategy_choice import StrategyChoice, choose_strategy
 
 GIB = 1024**3
 M = 1_000_000
@@ -77,6 +77,33 @@ def test_bf16_true_and_optimizer_state_counts() -> None:
     plain_sgd = _parts(estimate_memory(M, world_size=4, precision="bf16-mixed", optimizer_states=0))
     assert plain_sgd["ddp"][2] == 0
     assert plain_sgd["deepspeed-1"][2] == M  # the fp32 master copy remains, sharded
+
+
+def test_a_window_holds_fsdps_gradients_unsharded() -> None:
+    """From K=2 FSDP2's default sums the window in unsharded, full-size gradients (measured:
+    tests/distributed/test_memory_model.py); the model counted their shards."""
+    one = _parts(estimate_memory(M, world_size=2, block_params=100_000))
+    window = estimate_memory(M, world_size=2, block_params=100_000, grad_accum_steps=2)
+    assert [e.strategy for e in window] == [*STRATEGIES[:4], *SYNC_ROWS, *STRATEGIES[4:]]
+    parts = _parts(window)
+    assert parts["fsdp-grad_op"] == (2 * M + 4 * M, 4 * M, 4 * M)  # fp32 grads, not halved
+    assert parts["fsdp-full"] == (2 * M + 4 * 100_000, 4 * M, 4 * M)
+    # sync_each_microstep reduce-scatters every micro-step: the shards, as at K=1
+    assert parts["fsdp-grad_op-sync"] == one["fsdp-grad_op"]
+    assert parts["fsdp-full-sync"] == one["fsdp-full"]
+    assert all(parts[name] == one[name] for name in STRATEGIES if not name.startswith("fsdp"))
+    # K not known yet (micro_batch_size="auto"): sized as a window, the larger figure
+    assert _parts(estimate_memory(M, world_size=2, block_params=100_000,
+                                  grad_accum_steps=None)) == parts
+    # the window sums in the stored dtype: bf16 under bf16-true, fp32 under the mixed ones
+    true = _parts(estimate_memory(M, world_size=2, precision="bf16-true", block_params=0,
+                                  grad_accum_steps=8))
+    assert (true["fsdp-full"][1], true["fsdp-full-sync"][1]) == (2 * M, M)
+    mixed = _parts(estimate_memory(M, world_size=2, precision="bf16-mixed", block_params=0,
+                                   grad_accum_steps=8))
+    assert (mixed["fsdp-full"][1], mixed["fsdp-full-sync"][1]) == (4 * M, 2 * M)
+    with pytest.raises(ValueError, match="grad_accum_steps must be an int >= 1, got 0"):
+        estimate_memory(M, world_size=2, grad_accum_steps=0)
 
 
 def test_zero_paper_figure_1() -> None:
@@ -232,6 +259,34 @@ def test_choose_strategy_nothing_fits_and_single() -> None:
     assert "does not fit" in _ladder(10, world_size=1).reason
 
 
+def test_choose_strategy_with_a_window_counts_its_gradients() -> None:
+    # 2**30 params, bf16-mixed Adam, W=2, K=2: ddp 16, zero1 12, grad_op 12, full 10.5 GiB (the
+    # window's fp32 gradients unsharded: 4 GiB, not 2), grad_op sync 10, full sync 8.5
+    estimates = estimate_memory(2**30, world_size=2, precision="bf16-mixed", block_params=2**28,
+                                grad_accum_steps=2)
+    assert [e.total_bytes / GIB for e in estimates[:6]] == [16.0, 12.0, 12.0, 10.5, 10.0, 8.5]
+
+    def pick(gib: float) -> StrategyChoice:
+        return choose_strategy(estimates, device_bytes=int(gib * GIB), world_size=2)
+
+    full = pick(13.5)
+    assert (full.strategy, full.sharding, full.sync_each_microstep) == ("fsdp", "full", False)
+    grad_op = pick(12.8)
+    assert (grad_op.strategy, grad_op.sharding, grad_op.sync_each_microstep) == (
+        "fsdp", "grad_op", True)
+    # 11 GiB: the K=1 model said fsdp full (8.5 GiB), whose window holds 10.5 GiB
+    assert pick(11) == StrategyChoice(
+        strategy="fsdp", sharding="full", sync_each_microstep=True,
+        reason="fsdp (sharding=full, sync_each_microstep=True): 8.50 GiB per rank fits 80% of "
+        "11.00 GiB; ddp needs 16.00 GiB; its default would hold the window's unsharded "
+        "gradients (10.50 GiB)")
+    too_small = pick(10)
+    assert (too_small.sharding, too_small.sync_each_microstep) == ("full", True)
+    assert too_small.reason.startswith(
+        "fsdp (sharding=full, sync_each_microstep=True): 8.50 GiB per rank does not fit")
+    assert "nothing fits" in too_small.reason
+
+
 def test_to_row_and_format_table() -> None:
     estimates = estimate_memory(
         2**30, world_size=2, precision="bf16-mixed", block_params=2**28, device_bytes=13 * GIB
@@ -248,7 +303,7 @@ def test_to_row_and_format_table() -> None:
 def test_device_free_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     free = device_free_bytes(torch.device("cpu"))
     assert isinstance(free, int) and free > 0
-    monkeypatch.setattr(memory, "_host_available_bytes", lambda: 1000)
+    monkeypatch.setattr(device_memory, "_host_available_bytes", lambda: 1000)
     assert device_free_bytes("cpu", local_world_size=4) == 250
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (123, 456))
     assert device_free_bytes(torch.device("cuda", 0)) == 123

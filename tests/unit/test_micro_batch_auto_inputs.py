@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import accumix as ax
 from accumix.memory.micro_batch_cache import CACHE_FILE
-from accumix.memory.micro_batch_probe import batch_maker
+from accumix.memory.probe_batch import batch_maker
 from tests.frozen_heap import frozen_heap
 from tests.hf_standins import BatchEncoding, TinyCausalLM, padded_batch
 

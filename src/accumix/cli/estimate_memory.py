@@ -56,6 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--reduce-dtype", default=None,
                         help="fp32 | bf16 | fp16: what gradients travel in (default: the "
                         "recipe's reduce_dtype, else the precision's)")
+    parser.add_argument("--grad-accum-steps", type=int, default=None,
+                        help="micro-steps per optimizer step: from 2 on fsdp holds the window's "
+                        "unsharded gradients (default: the recipe's, 1 with --params)")
     parser.add_argument("--optimizer-states", type=int, default=2,
                         help="states per parameter: 2 Adam, 1 SGD+momentum, 0 SGD")
     parser.add_argument("--device-gib", type=float, default=None,
@@ -71,13 +74,9 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     from accumix.cli.launch import resolve_nproc
     from accumix.cli.train import load_train_config
-    from accumix.memory.model import (
-        PRECISIONS,
-        choose_strategy,
-        device_free_bytes,
-        estimate_memory,
-        format_table,
-    )
+    from accumix.memory.device_memory import device_free_bytes
+    from accumix.memory.model import PRECISIONS, estimate_memory, format_table
+    from accumix.memory.strategy_choice import choose_strategy
     from accumix.precision.policy import resolve_policy
     from accumix.recipes.default import TrainConfig
     from accumix.recipes.gpt import GPT
@@ -99,6 +98,9 @@ def run_estimate(args: argparse.Namespace) -> int:
                           "number of nodes that divides the world size")
     if args.device_gib is not None and not args.device_gib > 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid; use a number > 0")
+    if args.grad_accum_steps is not None and args.grad_accum_steps < 1:
+        raise ConfigError(f"--grad-accum-steps={args.grad_accum_steps} is invalid; use an "
+                          "integer >= 1")
     reduce_dtype = reduce_dtype_of(args.reduce_dtype or config.reduce_dtype, precision)
     if (args.backend or config.backend) == "jax":
         if args.nodes > 1 and world // args.nodes < 2:
@@ -133,19 +135,21 @@ def run_estimate(args: argparse.Namespace) -> int:
     per_node = world // args.nodes
     device_bytes = (int(args.device_gib * 2**30) if args.device_gib is not None
                     else device_free_bytes(device, local_world_size=per_node))
+    steps = args.grad_accum_steps or (
+        None if args.params is not None or not isinstance(micro, int) else
+        max(1, config.global_batch_size // (world * micro)))
     estimates = estimate_memory(model_or_count, world_size=world, precision=precision,
                                 optimizer_states=args.optimizer_states,
                                 activation_bytes=activations, device_bytes=device_bytes,
-                                ranks_per_node=per_node)
+                                ranks_per_node=per_node, grad_accum_steps=steps or 1)
     choice = choose_strategy(estimates, device_bytes=device_bytes, world_size=world,
                              ranks_per_node=per_node)
     where = f"{args.nodes} nodes x {per_node} ranks" if args.nodes > 1 else f"world size {world}"
-    print(f"{label}, {precision}, {where}, {device_bytes / 2**30:.1f} GiB per rank")
+    print(f"{label}, {precision}, {where}, K={steps or 1}, {device_bytes / 2**30:.1f} GiB per "
+          "rank")
     print(format_table(estimates))
     trainable = (model_or_count if isinstance(model_or_count, int) else
                  sum(p.numel() for p in model_or_count.parameters() if p.requires_grad))
-    steps = (None if args.params is not None or not isinstance(micro, int) else
-             max(1, config.global_batch_size // (world * micro)))
     print(reduction_line(trainable, reduce_dtype, world, steps))
     print(f"auto: {choice.reason}")
     return 0

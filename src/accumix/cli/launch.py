@@ -5,7 +5,8 @@ process. What it decides for you:
 
 * ``--nproc auto``: the GPUs of this node, else its CPU cores (one process per core, each with
   one thread); an explicit N on a CPU gives each process ``cores // N`` threads;
-* one node: the static rendezvous on loopback (``127.0.0.1``) on a free port;
+* one node: the static rendezvous on loopback (``127.0.0.1``) on a free port, and a second
+  port held for JAX's coordinator for the whole launch (``jax_coordinator_port``);
 * inside a SLURM job step (``srun --ntasks-per-node=1 accumix launch ...``): the node count,
   this node's rank, node 0's address and a port from the job id come from the allocation;
 * several nodes otherwise: ``--master-addr`` is required; the port defaults to 29500.
@@ -14,14 +15,17 @@ process. What it decides for you:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from accumix.common.launch_env import is_loopback
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
 from accumix.runtime.env import first_host
 from accumix.testing import free_port
@@ -164,6 +168,34 @@ def torchrun_args(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
     return [*args, *(["--module"] if module else []), target, *target_args]
 
 
+@contextlib.contextmanager
+def jax_coordinator_port(plan: LaunchPlan) -> Iterator[None]:
+    """Holds a port on loopback for JAX's coordinator while the ranks run, and names it to them
+    (``ACCUMIX_JAX_COORDINATOR``, read by ``accumix.jax.distributed``); a no-op on several
+    nodes, off loopback, off Linux, or when the variable is already set.
+
+    ``MASTER_PORT + 1`` (the default elsewhere) was never checked free, and a port merely free
+    when chosen can be taken in the seconds before rank 0 binds it (rank 0 then died with
+    "Failed to start RPC server"). JAX's service cannot bind port 0 and report it, so the
+    launcher binds one itself and keeps it bound: with ``SO_REUSEPORT``, which gRPC servers set
+    on Linux, rank 0's service (same user) binds it too, while any other bind refuses it and no
+    outgoing connection picks it as its local port.
+    """
+    host = "127.0.0.1" if plan.master_addr == "localhost" else plan.master_addr
+    if (plan.nnodes > 1 or not is_loopback(host) or ":" in host
+            or "ACCUMIX_JAX_COORDINATOR" in os.environ or not sys.platform.startswith("linux")):
+        yield
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind((host, 0))
+        os.environ["ACCUMIX_JAX_COORDINATOR"] = f"{host}:{held.getsockname()[1]}"
+        try:
+            yield
+        finally:
+            del os.environ["ACCUMIX_JAX_COORDINATOR"]
+
+
 def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                  module: bool = False) -> int:
     """Runs torchrun's agent in this process until every rank exited.
@@ -188,7 +220,8 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                  if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        run(parse_args(torchrun_args(plan, target, target_args, module=module)))
+        with jax_coordinator_port(plan):
+            run(parse_args(torchrun_args(plan, target, target_args, module=module)))
     except SignalException as exc:
         # torchrun's agent turned the signal into this exception after it forwarded the signal
         # to every rank and waited for them: no traceback, the status a scheduler reads.

@@ -7,6 +7,7 @@ variables to call ``jax.distributed.initialize``.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -35,6 +36,15 @@ class LaunchEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, bracketed IPv6 too, or ``localhost``) is this machine's
+    loopback."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _int(environ: Mapping[str, str], *names: str) -> int | None:

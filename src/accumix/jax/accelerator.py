@@ -23,8 +23,6 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from accumix.common.batch_sizes import derive_grad_accum_steps
 from accumix.common.hardware import peak_flops_by_name
@@ -36,11 +34,13 @@ from accumix.common.micro_batch_search import (
     parse_memory_limit,
 )
 from accumix.errors import ConfigError
-from accumix.jax import checkpoint, distributed, trainable
+from accumix.jax import checkpoint, distributed
 from accumix.jax.data import Window, WindowLoader, make_window
+from accumix.jax.loader import checked_loader, window_loader
 from accumix.jax.loss_scale import LossScaleRule
 from accumix.jax.memory import agreed_free_bytes, choose_auto
-from accumix.jax.micro_batch import device_total_bytes, find, rebatched
+from accumix.jax.micro_batch import device_total_bytes, find
+from accumix.jax.placement import initial_state
 from accumix.jax.precision import effective_dtypes, resolve_jax_policy, with_reduce_dtype
 from accumix.jax.state import TrainState
 from accumix.jax.step import LossFn, build_eval, build_step
@@ -120,9 +120,9 @@ class Accelerator:
         self._shardings: TrainState | None = None
         self._loader: WindowLoader | None = None
         self._micro_batch_choice: MicroBatchChoice | None = None
-        self._check_same_config((self.policy.name, self._batch_sizes, seed,
-                                 None if loss_scale is None else repr(loss_scale),
-                                 jax.numpy.dtype(self.policy.reduce_dtype).name))
+        distributed.check_same_config((self.policy.name, self._batch_sizes, seed,
+                                       None if loss_scale is None else repr(loss_scale),
+                                       jax.numpy.dtype(self.policy.reduce_dtype).name))
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -221,23 +221,6 @@ class Accelerator:
                                        micro_batch_size=micro_batch_size,
                                        dp_world_size=jax.process_count())
 
-    def _check_same_config(self, mine: tuple[Any, ...]) -> None:
-        """Processes launched with different settings stop here, naming both, instead of
-        training apart (or hanging in a collective of another shape)."""
-        if jax.process_count() == 1:
-            return
-        from jax.experimental import multihost_utils
-
-        text = repr(mine).encode()[:512].ljust(512)
-        every = multihost_utils.process_allgather(np.frombuffer(text, np.uint8))
-        texts = [bytes(row).decode(errors="replace").rstrip() for row in np.asarray(every)]
-        if len(set(texts)) > 1:
-            others = {i: s for i, s in enumerate(texts) if s != texts[0]}
-            raise ConfigError(
-                f"processes disagree on (precision, batch sizes, seed, loss scale) or on the "
-                f"strategy (at setup): "
-                f"process 0 has {texts[0]}, others {others}; launch every process alike")
-
     # -- setup -----------------------------------------------------------------------------
     def setup(self, params: Any, optimizer: optax.GradientTransformation,
               loader: Any = None, *, loss_fn: LossFn | None = None,
@@ -288,24 +271,11 @@ class Accelerator:
             self._strategy = choose_auto(params, optimizer, precision=self.policy.name,
                                          free_bytes=free, sized=sized)
         self._connect()
-        self._check_same_config((repr(self._strategy),))  # the choice, not the word "auto"
+        distributed.check_same_config((repr(self._strategy),))  # the choice, not the word "auto"
         self._optimizer = optimizer
         strategy = self.strategy
-        params = self.policy.cast_to_param(jax.tree.map(_host_value, params))
-        param_sh = jax.tree.map(lambda x: strategy.sharding(strategy.param_spec(x)), params)
-        params = jax.tree.map(_global_array, params, param_sh)
-        # The optimizer sees the trainable leaves only (integer leaves and keys are carried).
-        init = lambda p: optimizer.init(trainable.select(p, p))  # noqa: E731
-        opt_shape = jax.eval_shape(init, params)
-        opt_sh = jax.tree.map(lambda x: strategy.sharding(strategy.opt_spec(x)), opt_shape)
-        opt_state = jax.jit(init, out_shardings=opt_sh)(params)
-        replicated = strategy.sharding(P())
-        scaler, seed = self.scaler, self.seed
-        loss_scale, step, rng = jax.jit(
-            lambda: (scaler.init(), jax.numpy.zeros((), jax.numpy.int32), jax.random.key(seed)),
-            out_shardings=replicated)()
-        state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale, step=step,
-                           rng=rng)
+        state = initial_state(params, optimizer, strategy=strategy, policy=self.policy,
+                              scaler=self.scaler, seed=self.seed)
         self._shardings = jax.tree.map(lambda x: x.sharding, state)
         log.info("accumix.jax: strategy %s on %d devices (%d processes), precision %s, K=%s; "
                  "%s", strategy.name, strategy.num_devices, jax.process_count(),
@@ -340,29 +310,12 @@ class Accelerator:
         return self._wrap_loader(loader)
 
     def _wrap_loader(self, loader: Any) -> WindowLoader:
-        if not (hasattr(loader, "dataset") and hasattr(loader, "batch_sampler")):
-            raise ConfigError(f"cannot set up a {type(loader).__name__} as a loader; pass a "
-                              "torch DataLoader, or build windows with acc.window([...])")
-        import torch
-
-        from accumix.data.loader import AcceleratedDataLoader
-
-        micro = self._batch_sizes[2]
-        if is_auto(micro):
-            raise ConfigError("micro_batch_size='auto' is chosen before the loader: call "
-                              "acc.find_micro_batch_size(state, loss_fn, make_batch), then "
-                              "acc.setup_loader(loader)")
-        loader = rebatched(self._micro_batch_choice, loader)  # to the size 'auto' chose
-        if micro is not None and loader.batch_size not in (None, micro):
-            raise ConfigError(f"DataLoader batch_size={loader.batch_size} differs from "
-                              f"micro_batch_size={micro}; make them equal")
+        loader = checked_loader(loader, micro_batch_size=self._batch_sizes[2],
+                                choice=self._micro_batch_choice)
         if self._grad_accum_steps is None and loader.batch_size:
             self._grad_accum_steps = self._derive_steps(loader.batch_size)
-        wrapped = AcceleratedDataLoader(
-            loader, device=torch.device("cpu"), rank=jax.process_index(),
-            world_size=jax.process_count(), seed=self.seed, on_batch=lambda _: None)
-        self._loader = WindowLoader(wrapped, grad_accum_steps=self.grad_accum_steps,
-                                    make=self.window)
+        self._loader = window_loader(loader, grad_accum_steps=self.grad_accum_steps,
+                                     seed=self.seed, make=self.window)
         return self._loader
 
     # -- the step --------------------------------------------------------------------------
@@ -455,20 +408,3 @@ class Accelerator:
         Collective; process 0 writes."""
         return checkpoint.save_model(self, Path(directory), state)
 
-
-def _host_value(leaf: Any) -> Any:
-    """A params leaf on the host (numpy); a PRNG key stays a key (numpy cannot hold one)."""
-    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
-        return leaf
-    return np.asarray(leaf)
-
-
-def _global_array(value: Any, sharding: NamedSharding) -> jax.Array:
-    """A global array from a value every process holds whole (each takes its shards)."""
-    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # as raw bits, rewrapped
-        impl = jax.random.key_impl(value)
-        bits = np.asarray(jax.random.key_data(value))
-        data = jax.make_array_from_callback(bits.shape, NamedSharding(
-            sharding.mesh, P(*sharding.spec, None)), lambda index: bits[index])
-        return jax.random.wrap_key_data(data, impl=impl)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

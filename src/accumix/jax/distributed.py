@@ -1,7 +1,11 @@
-"""Multi-process JAX from the launcher's variables: ``jax.distributed.initialize``, nothing else.
+"""Multi-process JAX from the launcher's variables: ``jax.distributed.initialize``, and the check
+that every process was launched with the same settings.
 
-Under ``accumix launch`` / torchrun the coordinator is ``MASTER_ADDR`` at ``MASTER_PORT + 1``
-(torchrun's own store holds ``MASTER_PORT``); ``ACCUMIX_JAX_COORDINATOR=host:port`` overrides it.
+The coordinator is ``ACCUMIX_JAX_COORDINATOR=host:port`` when set (``accumix launch`` on one
+node sets it to a loopback port it holds for the job), else, under torchrun, ``MASTER_ADDR`` at
+``MASTER_PORT + 1`` (torchrun's own store holds ``MASTER_PORT``). A loopback coordinator listens
+on its own address only (JAX's default is every interface; ``JAX_COORDINATOR_BIND_ADDRESS``
+still overrides).
 Under Slurm or Open MPI, JAX finds the cluster itself. On CPU the cross-process collectives are
 gloo.
 """
@@ -10,10 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import jax
+import numpy as np
 
-from accumix.common.launch_env import LaunchEnv, detect_launch_env
+from accumix.common.launch_env import LaunchEnv, detect_launch_env, is_loopback
+from accumix.errors import ConfigError
 
 log = logging.getLogger("accumix")
 
@@ -22,6 +29,14 @@ def coordinator_address(launch: LaunchEnv) -> str:
     """Where process 0 serves JAX's coordination service."""
     return os.environ.get("ACCUMIX_JAX_COORDINATOR") or (
         f"{launch.master_addr}:{launch.master_port + 1}")
+
+
+def bind_address(coordinator: str) -> str | None:
+    """Where process 0's service listens: the coordinator's address itself when that is a
+    loopback one (a one-machine job serves nothing beyond it), else JAX's choice (None)."""
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None  # JAX reads it
+    return coordinator if is_loopback(coordinator.rsplit(":", 1)[0]) else None
 
 
 def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
@@ -36,8 +51,28 @@ def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
     if launch.launcher in ("slurm", "mpi") and "ACCUMIX_JAX_COORDINATOR" not in os.environ:
         jax.distributed.initialize()  # JAX's own cluster detection
     else:
-        jax.distributed.initialize(coordinator_address=coordinator_address(launch),
-                                   num_processes=launch.world_size, process_id=launch.rank)
+        address = coordinator_address(launch)
+        jax.distributed.initialize(coordinator_address=address, num_processes=launch.world_size,
+                                   process_id=launch.rank,
+                                   coordinator_bind_address=bind_address(address))
     log.info("jax.distributed: process %d of %d, %d local devices", jax.process_index(),
              jax.process_count(), jax.local_device_count())
     return launch
+
+
+def check_same_config(mine: tuple[Any, ...]) -> None:
+    """Processes launched with different settings stop here, naming both, instead of
+    training apart (or hanging in a collective of another shape)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    text = repr(mine).encode()[:512].ljust(512)
+    every = multihost_utils.process_allgather(np.frombuffer(text, np.uint8))
+    texts = [bytes(row).decode(errors="replace").rstrip() for row in np.asarray(every)]
+    if len(set(texts)) > 1:
+        others = {i: s for i, s in enumerate(texts) if s != texts[0]}
+        raise ConfigError(
+            f"processes disagree on (precision, batch sizes, seed, loss scale) or on the "
+            f"strategy (at setup): "
+            f"process 0 has {texts[0]}, others {others}; launch every process alike")

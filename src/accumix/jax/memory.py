@@ -369,7 +369,7 @@ def device_free_bytes() -> int:
     limits = [s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats if "bytes_limit" in s]
     if limits:
         return int(min(limits))
-    from accumix.memory.model import _host_available_bytes
+    from accumix.memory.device_memory import _host_available_bytes
 
     return _host_available_bytes() // max(len(jax.local_devices()), 1)
 

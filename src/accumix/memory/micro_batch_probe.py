@@ -8,7 +8,8 @@ reaches from its second micro-step on:
 * the optimizers' states are alive: an optimizer with no state yet (the one holding this rank's
   states, ``Strategy.state_optimizer``: ZeRO-1's local partition) is copied with ``lr=0`` over
   the same parameters and stepped, so its states are allocated and held through the probe while
-  the real optimizer stays untouched (one with state already is part of the baseline);
+  the real optimizer stays untouched (one with state already is part of the baseline;
+  ``shadow_optimizers``);
 * two micro-steps run: the user's step (forward + loss) on ``make_batch(n)``, the longest batch
   the data can give, under the precision's autocast, and its backward (scaled as fp16 scales
   it) with gradient communication off, as off the boundary. With K > 1 the second runs while
@@ -55,16 +56,12 @@ given the chosen size.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
-import numbers
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from accumix.checkpoint import rng_state
@@ -89,6 +86,10 @@ from accumix.memory.micro_batch_agreement import (
 )
 from accumix.memory.micro_batch_cache import cache_key, outside_parameters, read_cache, write_cache
 from accumix.memory.peak_memory import PeakMeter, release_cached
+from accumix.memory.probe_batch import MakeBatch
+from accumix.memory.probe_batch import batch_maker as batch_maker  # its home before
+from accumix.memory.probe_batch import sample_elements as sample_elements
+from accumix.memory.shadow_optimizers import ShadowOptimizers
 from accumix.step import accum_steps
 
 if TYPE_CHECKING:
@@ -97,7 +98,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("accumix")
 
 StepFn = Callable[[Any], Any]
-MakeBatch = Callable[[int], Any]
 
 
 def find_micro_batch_size(run: RunState, step: StepFn, make_batch: MakeBatch, *,
@@ -296,7 +296,7 @@ def _steady_state(run: RunState, step: StepFn, batch: Any, agreement: Agreement,
     """The optimizers' states, two micro-steps (their gradients held between them when the
     window accumulates) and the window's end (module docstring)."""
     batch = move_to_device(batch, run.device)
-    states = _ShadowOptimizers(run)  # allocated now: alive through both micro-steps
+    states = ShadowOptimizers(run)  # allocated now: alive through both micro-steps
     with ExitStack() as no_sync:
         for model in run.models:
             no_sync.enter_context(run.strategy.probe_mode(model))
@@ -329,56 +329,6 @@ def _clear_gradients(run: RunState) -> None:
         run.strategy.clear_gradients(model)
     for param in outside_parameters(run):
         param.grad = None
-
-
-class _ShadowOptimizers:
-    """A copy of each stateless optimizer with ``lr=0`` over the same parameters, stepped once
-    at creation: its states are allocated as the real first step's would be and stay alive
-    until ``shadows`` is cleared; ``step()`` again is the window end's temporaries. A copy that
-    cannot be built, or whose step refuses zero gradients without the user's closure
-    (``LBFGS``) or dense ones (``SparseAdam``), is left out with a warning: the probe then
-    misses its states, where raising would stop a run the explicit size trains."""
-
-    def __init__(self, run: RunState) -> None:
-        self.shadows: list[torch.optim.Optimizer] = []
-        for wrapped in run.optimizers:
-            optimizer = run.strategy.state_optimizer(wrapped.optimizer)
-            if optimizer.state:
-                continue
-            groups = [{**g, "lr": 0.0} for g in optimizer.param_groups]
-            # Each group carries every hyper-parameter; the constructor gets the defaults it
-            # names.
-            accepted = inspect.signature(type(optimizer)).parameters
-            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-            try:
-                shadow = type(optimizer)(groups, **defaults)
-                _shadow_step(shadow)
-            except torch.OutOfMemoryError:
-                raise
-            except (TypeError, ValueError, RuntimeError) as exc:
-                log.warning("micro_batch_size='auto' cannot step a copy of %s to measure its "
-                            "states (%s); they are left out of the probe",
-                            type(optimizer).__name__, str(exc).splitlines()[0][:120])
-                continue
-            self.shadows.append(shadow)
-
-    def step(self) -> None:
-        for shadow in self.shadows:
-            _shadow_step(shadow)
-
-
-def _shadow_step(shadow: torch.optim.Optimizer) -> None:
-    """``shadow.step()``, a zero gradient made for each parameter without one (at the boundary
-    the others hold the window's gradients) and dropped after."""
-    made = [p for g in shadow.param_groups for p in g["params"]
-            if p.requires_grad and p.grad is None]
-    for p in made:
-        p.grad = torch.zeros_like(p)
-    try:
-        shadow.step()
-    finally:
-        for p in made:
-            p.grad = None
 
 
 @contextmanager
@@ -427,60 +377,3 @@ def _loss_of(output: Any) -> torch.Tensor:
         raise ConfigError(f"the probe's step returned {type(output).__name__}; return the loss "
                           "tensor, (loss_sum, num_items) or an object with .loss")
     return loss
-
-
-def batch_maker(loader: Any, scan: int = 1000) -> MakeBatch:
-    """A ``make_batch`` for a DataLoader over a map-style dataset: n copies of the largest of
-    its first ``scan`` samples (by elements: of tensors, numpy arrays, token lists, texts),
-    through the loader's ``collate_fn``. Give your own ``make_batch`` when the longest sample
-    the data can give is known (the recipe's: ``block_size`` tokens).
-
-    Raises:
-        ConfigError: a dataset without ``len`` and indexing (an IterableDataset).
-    """
-    dataset, collate = loader.dataset, loader.collate_fn
-    refusal = ConfigError(f"micro_batch_size='auto' cannot build a probe batch from "
-                          f"{type(dataset).__name__} (no len/indexing); call "
-                          "acc.find_micro_batch_size(step, make_batch) yourself")
-    try:
-        count = min(len(dataset), scan)
-    except (TypeError, NotImplementedError) as exc:
-        raise refusal from exc
-    if not count:
-        raise ConfigError("micro_batch_size='auto': the DataLoader's dataset is empty")
-    found: list[Any] = []
-
-    def make_batch(n: int) -> Any:
-        # The scan reads samples, which may draw (augmentation): it runs at the first call,
-        # inside the probe, whose RNG capture gives the global streams back; a generator of
-        # the dataset's own is put back here. Read before the probe it would move them.
-        if not found:
-            try:
-                with rng_state.generators_kept(dataset):
-                    found.append(max((dataset[i] for i in range(count)), key=sample_elements))
-            except (TypeError, NotImplementedError) as exc:
-                raise refusal from exc
-        return collate([found[0]] * n)
-
-    return make_batch
-
-
-def sample_elements(sample: Any) -> int:
-    """How big a sample is: the elements of its tensors and numpy arrays, the entries of its
-    lists of numbers (token ids), the characters of its texts, in any nesting of mappings,
-    sequences and dataclasses."""
-    if isinstance(sample, torch.Tensor):
-        return sample.numel()
-    if isinstance(sample, np.ndarray | np.generic):
-        return int(sample.size)
-    if isinstance(sample, str | bytes):
-        return len(sample)
-    if isinstance(sample, numbers.Number):
-        return 1
-    if isinstance(sample, Mapping):
-        return sum(sample_elements(v) for v in sample.values())
-    if isinstance(sample, list | tuple):
-        return sum(sample_elements(v) for v in sample)
-    if dataclasses.is_dataclass(sample) and not isinstance(sample, type):
-        return sum(sample_elements(getattr(sample, f.name)) for f in dataclasses.fields(sample))
-    return 0

@@ -1,4 +1,4 @@
-"""Memory model per strategy, and the choice that ``strategy="auto"`` makes from it.
+"""Memory model per strategy: the bytes one rank holds (``strategy_choice`` picks from them).
 
 Counts the *model states* one data-parallel rank holds (parameters, gradients, optimizer states)
 the way the ZeRO paper does, plus an activation estimate the caller supplies. Imports only
@@ -9,12 +9,10 @@ parameter count).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # torch loads lazily: the JAX backend sizes its strategies with this model
-    import torch
     from torch import nn
 
 # The ``x as x`` names are re-exported: callers size models and print tables through this module.
@@ -42,6 +40,7 @@ from accumix.memory.table import format_table as format_table
 #   fsdp-full      p*N/W + c*G     g*T/W    (m + K*s)*T/W    3
 #   hsdp-grad_op   p*N/S + c*N     g*T/S    (m + K*s)*T/S    2 within a node
 #   hsdp-full      p*N/S + c*G     g*T/S    (m + K*s)*T/S    3 within a node
+#   fsdp-*, hsdp-*-defer with a window: g*T (below); fsdp-*-sync and hsdp-* keep g*T/W, g*T/S
 #   deepspeed-1    p*N             g*T      (m + K*s)*T/W    1
 #   deepspeed-2    p*N             g*T/W    (m + K*s)*T/W    2
 #   deepspeed-3    p*N/W + c*G     g*T/W    (m + K*s)*T/W    3
@@ -62,6 +61,16 @@ from accumix.memory.table import format_table as format_table
 # Not counted (the headroom absorbs them): DDP's grad buckets without gradient_as_bucket_view,
 # the next block FSDP prefetches during compute, DeepSpeed's transient fp32 grad partition,
 # buffers, the CUDA context, allocator fragmentation.
+#
+# The window (``grad_accum_steps`` >= 2 micro-steps per optimizer step): by default FSDP2 runs
+# the off-boundary micro-steps with gradient sync off, so each rank sums the window in unsharded,
+# full-size gradients (g*T, in the stored dtype: g's) that the boundary's backward reduce-scatters
+# (freeing them unit by unit as the shards appear): ``fsdp-grad_op``/``fsdp-full`` and
+# ``hsdp-*-defer`` (``HSDPStrategy(defer_reduce_scatter=True)``) hold g*T where the table says
+# g*T/W (g*T/S). ``fsdp-*-sync`` (``FSDPStrategy(sync_each_microstep=True)``) and hsdp's default
+# reduce-scatter every micro-step into the shards and keep the table's figure. With one micro-step
+# a window every micro-step is a boundary and those rows equal the defaults, so they are listed
+# only with a window. Measured: tests/distributed/test_memory_model.py, hsdp_jobs.py.
 
 
 class _Bytes(NamedTuple):
@@ -79,16 +88,23 @@ class _Sharding(NamedTuple):
     gathered: str  # "none", "all" (N, kept from forward to backward) or "block" (G at a time)
     deepspeed: bool
     within_node: bool = False  # sharded over the ranks of a node (hsdp), not over all ranks
+    window_unsharded: bool = False  # a window's gradients summed unsharded (FSDP2 sync off)
 
 
 _SHARDING: dict[str, _Sharding] = {
     # sharded: optimizer, grads, params; then gathered, and whether DeepSpeed stores it
     "ddp": _Sharding(False, False, False, "none", False),
     "zero1": _Sharding(True, False, False, "none", False),
-    "fsdp-grad_op": _Sharding(True, True, True, "all", False),
-    "fsdp-full": _Sharding(True, True, True, "block", False),
+    "fsdp-grad_op": _Sharding(True, True, True, "all", False, window_unsharded=True),
+    "fsdp-full": _Sharding(True, True, True, "block", False, window_unsharded=True),
+    "fsdp-grad_op-sync": _Sharding(True, True, True, "all", False),
+    "fsdp-full-sync": _Sharding(True, True, True, "block", False),
     "hsdp-grad_op": _Sharding(True, True, True, "all", False, within_node=True),
     "hsdp-full": _Sharding(True, True, True, "block", False, within_node=True),
+    "hsdp-grad_op-defer": _Sharding(True, True, True, "all", False, within_node=True,
+                                    window_unsharded=True),
+    "hsdp-full-defer": _Sharding(True, True, True, "block", False, within_node=True,
+                                 window_unsharded=True),
     "deepspeed-1": _Sharding(True, False, False, "none", True),
     "deepspeed-2": _Sharding(True, True, False, "none", True),
     "deepspeed-3": _Sharding(True, True, True, "block", True),
@@ -104,28 +120,14 @@ _BYTES: dict[tuple[bool, str], _Bytes] = {
     (True, "fp16-mixed"): _Bytes(2, 2, 2, 4, 4),
     (True, "bf16-true"): _Bytes(2, 2, 2, 4, 4),
 }
-# The rows of one node's world; hsdp's come only with several nodes (``ranks_per_node``).
+# The rows of one node's world at one micro-step a window; hsdp's come only with several nodes
+# (``ranks_per_node``), the sync and defer variants only with a window (they differ only there).
 HSDP_ROWS: tuple[str, ...] = ("hsdp-grad_op", "hsdp-full")
-STRATEGIES: tuple[str, ...] = tuple(name for name in _SHARDING if name not in HSDP_ROWS)
+SYNC_ROWS: tuple[str, ...] = ("fsdp-grad_op-sync", "fsdp-full-sync")
+DEFER_ROWS: tuple[str, ...] = ("hsdp-grad_op-defer", "hsdp-full-defer")
+STRATEGIES: tuple[str, ...] = tuple(name for name in _SHARDING
+                                    if name not in HSDP_ROWS + SYNC_ROWS + DEFER_ROWS)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-# The order "auto" tries, least communication first: (estimate, strategy word, FSDP sharding).
-_AUTO_ORDER: tuple[tuple[str, str, str | None], ...] = (
-    ("ddp", "ddp", None),
-    ("zero1", "zero1", None),
-    ("fsdp-grad_op", "fsdp", "grad_op"),
-    ("fsdp-full", "fsdp", "full"),
-)
-# On several nodes the link between them is the slow one: ddp and hsdp cross it once per step
-# with the gradients (hsdp: each rank its shard), zero1 adds an all-gather of the parameters
-# across every rank, fsdp two per micro-step.
-_AUTO_ORDER_NODES: tuple[tuple[str, str, str | None], ...] = (
-    ("ddp", "ddp", None),
-    ("hsdp-grad_op", "hsdp", "grad_op"),
-    ("hsdp-full", "hsdp", "full"),
-    ("zero1", "zero1", None),
-    ("fsdp-grad_op", "fsdp", "grad_op"),
-    ("fsdp-full", "fsdp", "full"),
-)
 _GIB = 1024**3
 
 
@@ -134,7 +136,7 @@ class MemoryEstimate:
     """Bytes one data-parallel rank holds under one strategy.
 
     Attributes:
-        strategy: One of ``STRATEGIES``.
+        strategy: The row: one of ``STRATEGIES``, ``SYNC_ROWS``, ``HSDP_ROWS``, ``DEFER_ROWS``.
         params_bytes: Stored parameters plus what the strategy holds all-gathered.
         grads_bytes: Gradients (trainable parameters only).
         optimizer_bytes: Optimizer states plus fp32 master copies where kept.
@@ -160,21 +162,6 @@ class MemoryEstimate:
         return (self.strategy, *sizes, fits)
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class StrategyChoice:
-    """What ``strategy="auto"`` picked and why.
-
-    Attributes:
-        strategy: ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"`` or ``"hsdp"``.
-        sharding: ``"grad_op"`` or ``"full"`` when ``strategy`` is fsdp or hsdp, else None.
-        reason: One line naming the choice, the bytes per rank and the budget.
-    """
-
-    strategy: str
-    sharding: str | None
-    reason: str
-
-
 def estimate_memory(
     model_or_num_params: nn.Module | int,
     *,
@@ -186,6 +173,7 @@ def estimate_memory(
     headroom: float = 0.8,
     block_params: int | None = None,
     ranks_per_node: int | None = None,
+    grad_accum_steps: int | None = 1,
 ) -> list[MemoryEstimate]:
     """Estimate the bytes per rank of every strategy (formulas: the table atop this module).
 
@@ -202,10 +190,15 @@ def estimate_memory(
         deepspeed-2   p*N           + g*T/W + (m + K*s)*T/W
         deepspeed-3   p*N/W + c*G   + g*T/W + (m + K*s)*T/W
 
-    each plus ``activation_bytes``. Bytes (param p, gathered c, grad g, state s, master m): fp32
-    4/4/4/4/0; bf16-/fp16-mixed 4/2/4/4/0 under torch (autocast, FSDP2 MixedPrecisionPolicy) and
-    2/2/2/4/4 under DeepSpeed (ZeRO's 16 bytes for Adam); bf16-true 2/2/2/2/0 under torch and
-    2/2/2/4/4 under DeepSpeed, which always keeps fp32 master weights and states.
+    each plus ``activation_bytes``. With a window (``grad_accum_steps`` >= 2) the fsdp rows hold
+    the window's unsharded gradients, g*T, and ``SYNC_ROWS`` (``sync_each_microstep=True``, g*T/W)
+    follow them; on several nodes ``DEFER_ROWS`` (``defer_reduce_scatter=True``, g*T) follow the
+    hsdp rows, whose default keeps g*T/S.
+
+    Bytes (param p, gathered c, grad g, state s, master m): fp32 4/4/4/4/0; bf16-/fp16-mixed
+    4/2/4/4/0 under torch (autocast, FSDP2 MixedPrecisionPolicy) and 2/2/2/4/4 under DeepSpeed
+    (ZeRO's 16 bytes for Adam); bf16-true 2/2/2/2/0 under torch and 2/2/2/4/4 under DeepSpeed,
+    which always keeps fp32 master weights and states.
 
     Args:
         model_or_num_params: A model (its parameters are counted, tied ones once, and frozen ones
@@ -221,15 +214,19 @@ def estimate_memory(
             model (``gathered_params``); for a number, the whole model (the wrapping is unknown).
         ranks_per_node: S, the ranks of one node; when the world spans several nodes
             (``1 < S < world_size``) the hsdp rows follow the fsdp ones.
+        grad_accum_steps: Micro-steps per optimizer step; None when not known yet (sized as a
+            window, the larger figure).
 
     Returns:
-        One estimate per strategy, in the order of ``STRATEGIES`` (with ``HSDP_ROWS`` after
-        ``fsdp-full`` on several nodes).
+        One estimate per strategy, in the order of ``STRATEGIES``, with (after ``fsdp-full``)
+        ``SYNC_ROWS`` when there is a window, then ``HSDP_ROWS`` and with a window
+        ``DEFER_ROWS`` on several nodes.
 
     Raises:
         ConfigError: A negative count, ``world_size < 1``, an unknown precision, a headroom outside
             (0, 1], a non-positive ``device_bytes``, ``block_params`` above the parameter count,
-            or a ``ranks_per_node`` that does not divide ``world_size``.
+            a ``ranks_per_node`` that does not divide ``world_size``, or a ``grad_accum_steps``
+            below 1.
     """
     if hasattr(model_or_num_params, "parameters"):  # a torch module
         num_params = count_params(model_or_num_params)
@@ -249,14 +246,18 @@ def estimate_memory(
     if block_params > num_params:
         raise ConfigError(f"block_params={block_params} exceeds the {num_params} parameters")
     budget = _budget(device_bytes, headroom)
-    rows = list(STRATEGIES)
+    window = grad_accum_steps is None or _check_int("grad_accum_steps", grad_accum_steps,
+                                                    minimum=1) > 1
+    extra = list(SYNC_ROWS if window else ())
     if ranks_per_node is not None:
         _check_int("ranks_per_node", ranks_per_node, minimum=1)
         if world_size % ranks_per_node:
             raise ConfigError(f"ranks_per_node={ranks_per_node} does not divide world_size="
                               f"{world_size}; nodes run the same number of ranks")
         if 1 < ranks_per_node < world_size:
-            rows[rows.index("fsdp-full") + 1:rows.index("fsdp-full") + 1] = HSDP_ROWS
+            extra += HSDP_ROWS + (DEFER_ROWS if window else ())
+    rows = list(STRATEGIES)
+    rows[rows.index("fsdp-full") + 1:rows.index("fsdp-full") + 1] = extra
 
     def shard(count: int, is_sharded: bool, ranks: int) -> int:
         # Elements per rank, rounded up: FSDP2 and DeepSpeed pad every shard to the same size.
@@ -270,7 +271,8 @@ def estimate_memory(
         gathered = {"none": 0, "all": num_params, "block": block_params}[sharding.gathered]
         params_bytes = (size.param * shard(num_params, sharding.params, ranks)
                         + size.gathered * gathered)
-        grads_bytes = size.grad * shard(trainable, sharding.grads, ranks)
+        held_sharded = sharding.grads and not (window and sharding.window_unsharded)
+        grads_bytes = size.grad * shard(trainable, held_sharded, ranks)
         # DeepSpeed's ZeRO 1/2 optimizer clones its fp32 partition even in fp32
         # (single_partition_of_fp32_groups): measured by bench/memory.py.
         master = 4 if sharding.deepspeed and not sharding.params and precision == "fp32" else (
@@ -292,125 +294,6 @@ def estimate_memory(
     return estimates
 
 
-def choose_strategy(
-    estimates: list[MemoryEstimate],
-    *,
-    device_bytes: int,
-    headroom: float = 0.8,
-    world_size: int,
-    ranks_per_node: int | None = None,
-) -> StrategyChoice:
-    """Pick the strategy with the least communication that fits ``headroom * device_bytes``.
-
-    One rank gets ``"single"``. Otherwise ddp, zero1, fsdp ``grad_op`` and fsdp ``full`` are
-    tried in that order (each communicates more than the one before). On several nodes (the
-    estimates have the hsdp rows) the link between nodes decides: ddp, hsdp ``grad_op``, hsdp
-    ``full`` (sharded within a node, so a model that fits sharded over one node's ranks
-    crosses nodes once per step), then zero1 and fsdp. DeepSpeed is never picked
-    automatically. When nothing fits the answer is fsdp ``full`` with a reason saying by how
-    much it misses: the caller decides whether that is an error.
-
-    Args:
-        estimates: From ``estimate_memory`` (must include ddp, zero1, fsdp-grad_op, fsdp-full).
-        device_bytes: Memory per rank, e.g. from ``device_free_bytes``.
-        headroom: Fraction of ``device_bytes`` the model may use.
-        world_size: Data-parallel ranks.
-        ranks_per_node: the ranks of one node (named in an hsdp choice's reason).
-
-    Returns:
-        The choice, with a one-line reason that names the bytes per rank.
-
-    Raises:
-        ConfigError: ``world_size < 1``, a headroom outside (0, 1], a non-positive
-            ``device_bytes``, or an estimate missing.
-    """
-    _check_int("world_size", world_size, minimum=1)
-    budget = _budget(device_bytes, headroom)
-    assert budget is not None  # device_bytes is required here
-    by_name = {estimate.strategy: estimate for estimate in estimates}
-    missing = [name for name, _, _ in _AUTO_ORDER if name not in by_name]
-    if missing:
-        raise ConfigError(f"estimates lack {', '.join(missing)}; pass estimate_memory()'s list")
-    of_budget = f"{headroom:.0%} of {_gib(device_bytes)}"
-    ddp_total = by_name["ddp"].total_bytes
-    nodes = HSDP_ROWS[0] in by_name
-
-    if world_size == 1:
-        verdict = _verdict(ddp_total, budget, of_budget)
-        return StrategyChoice(
-            strategy="single", sharding=None, reason=f"single (world size 1): {verdict}"
-        )
-    for name, strategy, sharding in _AUTO_ORDER_NODES if nodes else _AUTO_ORDER:
-        total = by_name[name].total_bytes
-        if total <= budget:
-            label = strategy if sharding is None else f"{strategy} (sharding={sharding})"
-            reason = f"{label}: {_verdict(total, budget, of_budget)}"
-            if name != "ddp":
-                reason += f"; ddp needs {_gib(ddp_total)}"
-            if strategy == "hsdp":
-                within = f"the {ranks_per_node} ranks of a node" if ranks_per_node else "a node"
-                reason += (f"; sharded within {within}, replicated across nodes: "
-                           "the nodes exchange gradient shards once per step")
-            return StrategyChoice(strategy=strategy, sharding=sharding, reason=reason)
-    full_total = by_name["fsdp-full"].total_bytes
-    reason = (
-        f"fsdp (sharding=full): {_verdict(full_total, budget, of_budget)}; nothing fits: use a "
-        "smaller micro batch, activation checkpointing or more ranks"
-    )
-    return StrategyChoice(strategy="fsdp", sharding="full", reason=reason)
-
-
-def device_free_bytes(device: torch.device | str, *, local_world_size: int = 1) -> int:
-    """Free memory one rank may use on ``device``.
-
-    Args:
-        device: A CUDA device (its free memory, ``torch.cuda.mem_get_info``) or the CPU (the
-            host's available memory shared by the ranks on this host).
-        local_world_size: Ranks sharing the host's memory; divides the CPU figure.
-
-    Returns:
-        Bytes.
-
-    Raises:
-        ConfigError: ``local_world_size < 1`` or a device type other than cuda or cpu.
-    """
-    _check_int("local_world_size", local_world_size, minimum=1)
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    if device.type == "cpu":
-        return _host_available_bytes() // local_world_size
-    raise ConfigError(f"cannot size memory of device type {device.type!r}; choose cuda or cpu")
-
-
-def _host_available_bytes() -> int:
-    # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES (MemFree) does not and reads
-    # far too low on a host that has been reading files for a while.
-    meminfo = _read_text("/proc/meminfo") or ""
-    lines = [line.split() for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
-    if lines:
-        available = int(lines[0][1]) * 1024
-    else:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    # Inside a container /proc/meminfo shows the whole host; the cgroup v2 limit is what kills us.
-    limit = _read_text("/sys/fs/cgroup/memory.max")
-    current = _read_text("/sys/fs/cgroup/memory.current")
-    if limit is None or current is None or not limit.isdigit() or not current.isdigit():
-        return available
-    return min(available, max(int(limit) - int(current), 0))
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as file:
-            return file.read().strip()
-    except OSError:
-        return None
-
-
 def _budget(device_bytes: int | None, headroom: float) -> float | None:
     if not 0 < headroom <= 1:
         raise ConfigError(f"headroom must be in (0, 1], got {headroom}")
@@ -425,16 +308,3 @@ def _check_int(name: str, value: int, *, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
-
-
-def _verdict(total: int, budget: float, of_budget: str) -> str:
-    if total <= budget:
-        return f"{_gib(total)} per rank fits {of_budget}"
-    return (
-        f"{_gib(total)} per rank does not fit {of_budget} ({_gib(budget)}), "
-        f"{_gib(total - budget)} over"
-    )
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / _GIB:.2f} GiB"

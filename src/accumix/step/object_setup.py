@@ -93,6 +93,8 @@ def _choose_auto_strategy(run: RunState, model: nn.Module, optimizers: list[Opti
     chosen, reason = choose_auto_strategy(
         model, optimizers, policy=run.policy, world_size=run.world_size, device_bytes=free,
         ranks_per_node=launch.local_world_size if launch.num_nodes > 1 else None,
+        # Not known yet (micro_batch_size="auto"): sized as a window, the larger figure.
+        grad_accum_steps=run.grad_accum_steps if run.steps_known else None,
     )
     chosen.connect(launch=run.launch, device=run.device, policy=run.policy,
                    scaler=run.strategy.scaler)

@@ -28,7 +28,7 @@ façade:
   step that grows the scale would apply half the gradient; the strategy defers the engine's
   scale update to after its step (``defer_scale_update``). The engine steps once per window:
   a second ``optimizer.step()`` at one boundary is an ``AccumixError`` (inside DeepSpeed it is
-  a ``TypeError``);
+  a ``TypeError``; these rules: ``deepspeed_window``);
 * ZeRO-3's gradient partitions are zeroed after each step: DeepSpeed 0.19.8 copies a reduced
   gradient into its partition on a window's first micro-step and adds on later ones without
   clearing between windows, so a parameter unused on the first micro-step got the previous
@@ -58,13 +58,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from accumix.errors import AccumixError, ConfigError, LossScaleError
+from accumix.errors import ConfigError, LossScaleError
 from accumix.precision import DynamicLossScale, LossScaler, NoLossScale, Policy
 from accumix.precision.autocast import autocast_forward
 from accumix.precision.policy import dtype_name
 from accumix.precision.reduce_dtype import EffectiveDtypes
 from accumix.step.accumulation import rescale_grads_
-from accumix.step.compile import Compiler, reporting_failures
+from accumix.step.compile import Compiler
 from accumix.strategies import deepspeed_probe, deepspeed_state
 from accumix.strategies.base import Strategy
 from accumix.strategies.deepspeed_config import (
@@ -75,6 +75,7 @@ from accumix.strategies.deepspeed_config import (
 from accumix.strategies.deepspeed_engine import (
     clear_stage3_grad_partitions,
     clip_partitions_,
+    compile_engine,
     defer_scale_update,
     ensure_process_group,
     initialize,
@@ -84,6 +85,7 @@ from accumix.strategies.deepspeed_engine import (
     skip_cpu_shm_build,
 )
 from accumix.strategies.deepspeed_loss_scale import EngineLossScale
+from accumix.strategies.deepspeed_window import EngineWindows, refuse_deferred_reduction
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.node_groups import check_groups_within_nodes, hpz_partition_size
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_forward
@@ -147,9 +149,7 @@ class DeepSpeedStrategy(Strategy):
         self._scale_updates: dict[int, Callable[[], None]] = {}  # id(engine) -> deferred update
         self._trained: dict[int, set[int]] = {}  # id(engine) -> ids of its optimizer's params
         self._groups: dict[int, list[list[str]]] = {}  # id(engine) -> param groups' FQNs
-        self._stepped: set[int] = set()  # ids of engines stepped since their last backward
-        self._unstepped: set[int] = set()  # ids of engines with a backward since their step
-        self._reduced: set[int] = set()  # ids of engines with a boundary backward since their step
+        self._windows = EngineWindows()  # each engine's backward and step in its window
         self._owns_group = False
 
     def connect(self, *, launch: Any, device: torch.device, policy: Policy,
@@ -251,20 +251,8 @@ class DeepSpeedStrategy(Strategy):
         return getattr(model, "module", model) if model in self._engines else model
 
     def compile_module(self, model: nn.Module, compiler: Compiler) -> nn.Module:
-        """Through the engine's ``compile()`` (which compiles its module in place and tells the
-        engine it is compiled); a model that came ``torch.compile``'d carries options that cannot
-        be read back as keywords, so its own dynamo context compiles the engine's module the same
-        way ``engine.compile`` would."""
-        engine = self._engine(model)
-        if compiler.options is None:
-            compiler.compile_in_place(engine.module)
-            return engine
-        options = dict(compiler.options)
-        engine.compile(backend=options.pop("backend", "inductor"), compile_kwargs=options)
-        module = engine.module
-        module._compiled_call_impl = reporting_failures(module._compiled_call_impl,
-                                                        type(module).__name__)
-        return engine
+        """Through the engine's ``compile()`` (``deepspeed_engine.compile_engine``)."""
+        return compile_engine(self._engine(model), compiler)
 
     def _engine(self, model: nn.Module | None) -> Any:
         if model is not None and model in self._engines:
@@ -289,27 +277,12 @@ class DeepSpeedStrategy(Strategy):
         # The façade already divided by K (or the item hint); the engine adds only its fp16 scale.
         engine = self._engine(model)
         at_boundary = engine.is_gradient_accumulation_boundary()
-        if at_boundary and id(engine) in self._reduced:
-            # Each boundary backward reduces and *copies* into the partitions the step reads
-            # (ZeRO 1/2/3, 0.19.8): an earlier backward's gradients of this micro-step are lost.
-            raise ConfigError(
-                "strategy='deepspeed' takes one backward on a window's last micro-step, then "
-                "optimizer.step() (a second one there replaces the first's gradients in the "
-                "engine); sum the losses into one acc.backward(), num_items= their total")
+        self._windows.check_backward(engine, at_boundary)
         engine.backward(loss, scale_wrt_gas=False)
-        self._stepped.discard(id(engine))
-        self._unstepped.add(id(engine))
-        if at_boundary:
-            self._reduced.add(id(engine))
+        self._windows.backward_done(engine, at_boundary)
 
     def reduce_deferred_grads(self, model: nn.Module) -> None:
-        # The engine reduces (and fills the partitions its step reads) only in a backward at
-        # its accumulation boundary; stepping without one fails inside DeepSpeed (KeyError 0).
-        raise ConfigError(
-            "strategy='deepspeed' reduces gradients only in a backward on the window's last "
-            "micro-step, and this window's last backward ran on an earlier one; run a backward "
-            "on the last micro-step of every window (a zero loss works)"
-        )
+        refuse_deferred_reduction()
 
     def probe_units(self, model: nn.Module) -> list[nn.Module]:
         """The engine: its forward hook broadcasts BatchNorm buffers (ZeRO 1/2 forwards and the
@@ -351,18 +324,10 @@ class DeepSpeedStrategy(Strategy):
         # engine decides inside its step (and must step anyway to move its loss scale).
         engine = self._engine_of.get(id(optimizer))
         engine = self._engine(None) if engine is None else engine
-        if id(engine) in self._stepped:
-            # The engine's step consumed and cleared its gradient partitions; a second one
-            # fails inside DeepSpeed ("'NoneType' object is not iterable").
-            raise AccumixError(
-                "strategy='deepspeed' steps once per window: optimizer.step() was called again "
-                "at the same boundary without a backward in between; call it once per window"
-            )
+        self._windows.check_step(engine)
         try:
             engine.step()
-            self._stepped.add(id(engine))
-            self._unstepped.discard(id(engine))
-            self._reduced.discard(id(engine))
+            self._windows.step_done(engine)
             self._scale_updates[id(engine)]()
             if self.stage == 3:
                 clear_stage3_grad_partitions(engine.optimizer)
@@ -385,14 +350,7 @@ class DeepSpeedStrategy(Strategy):
                 skipped it): the engine keeps its reduced partitions until a step, and the
                 next window would add to them.
         """
-        engine = self._engine_of.get(id(optimizer))
-        if engine is not None and id(engine) in self._unstepped:
-            raise ConfigError(
-                "strategy='deepspeed' clears gradients only inside optimizer.step(), and "
-                "zero_grad() was asked to discard a window that was not stepped; call "
-                "optimizer.step() on every window's boundary (under fp16 the engine skips an "
-                "overflowing one itself)"
-            )
+        self._windows.check_discard(self._engine_of.get(id(optimizer)))
 
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -434,8 +392,9 @@ class DeepSpeedStrategy(Strategy):
         self._engine_of.clear()
         self._trained.clear()
         self._groups.clear()
-        self._stepped.clear()
-        self._unstepped.clear()
+        # Every engine's window state goes: a later engine may be given a destroyed one's id().
+        self._windows = EngineWindows()
+        self._scale_updates.clear()
         release_group_references()  # DeepSpeed's cached clone of the world group
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """The DeepSpeed engine's internals that accumix reaches into, and the quirks it works around
 (DeepSpeed 0.19): the boundary flag, where the gradient partitions live (and clipping them),
 ZeRO-3's leftover partitions, the ZeRO loss-scale update order, the CPU comm kernel it need not
-build, the process group it needs and the clone of it it caches, building the engine."""
+build, the process group it needs and the clone of it it caches, building the engine and
+compiling it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accumix.errors import ConfigError
+from accumix.step.compile import Compiler, reporting_failures
 from accumix.strategies.deepspeed_config import import_deepspeed
 
 
@@ -142,6 +144,22 @@ def initialize(model: nn.Module, optimizer: Optimizer, config: dict[str, Any],
         raise
     finally:
         ds_logger.removeFilter(quiet)
+    return engine
+
+
+def compile_engine(engine: Any, compiler: Compiler) -> Any:
+    """Through the engine's ``compile()`` (which compiles its module in place and tells the
+    engine it is compiled); a model that came ``torch.compile``'d carries options that cannot
+    be read back as keywords, so its own dynamo context compiles the engine's module the same
+    way ``engine.compile`` would."""
+    if compiler.options is None:
+        compiler.compile_in_place(engine.module)
+        return engine
+    options = dict(compiler.options)
+    engine.compile(backend=options.pop("backend", "inductor"), compile_kwargs=options)
+    module = engine.module
+    module._compiled_call_impl = reporting_failures(module._compiled_call_impl,
+                                                    type(module).__name__)
     return engine
 
 

@@ -14,7 +14,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accumix.errors import ConfigError
-from accumix.memory.model import PRECISIONS, choose_strategy, device_free_bytes, estimate_memory
+from accumix.memory.device_memory import device_free_bytes
+from accumix.memory.model import PRECISIONS, estimate_memory
+from accumix.memory.strategy_choice import choose_strategy
 from accumix.precision import Policy
 from accumix.runtime.env import LaunchEnv
 from accumix.strategies.base import Strategy
@@ -90,14 +92,17 @@ def choose_auto_strategy(
     device_bytes: int,
     headroom: float = 0.8,
     ranks_per_node: int | None = None,
+    grad_accum_steps: int | None = 1,
 ) -> tuple[Strategy, str]:
     """What ``strategy="auto"`` becomes once the model is known: the memory model's choice.
 
     One process is ``single``; otherwise the least communication whose model states fit
     ``headroom * device_bytes`` per rank: ddp, then zero1, fsdp ``grad_op``, fsdp ``full``
-    (``accumix.memory.model.choose_strategy``; fsdp ``full`` also when nothing fits). On
+    (``accumix.memory.strategy_choice.choose_strategy``; fsdp ``full`` also when nothing fits). On
     several nodes hsdp (``grad_op``, then ``full``) comes right after ddp: a model that fits
-    sharded within a node then crosses the link between nodes once per step.
+    sharded within a node then crosses the link between nodes once per step. With a window
+    (K >= 2, or K not known yet) fsdp's default holds the window's unsharded gradients, and fsdp
+    with ``sync_each_microstep=True`` (sharded gradients, K reductions) comes last.
 
     Args:
         model: the user's plain model (its parameters are counted).
@@ -108,6 +113,7 @@ def choose_auto_strategy(
         headroom: fraction of ``device_bytes`` the model states may take.
         ranks_per_node: the ranks of one node when the world spans several (the launch's
             ``local_world_size``); None: one node.
+        grad_accum_steps: K, micro-steps per optimizer step; None when not known yet.
 
     Returns:
         A fresh (unconnected) strategy and the one-line reason for the log.
@@ -115,12 +121,15 @@ def choose_auto_strategy(
     estimates = estimate_memory(
         model, world_size=world_size, precision=_precision_word(policy),
         optimizer_states=_optimizer_states(optimizers), device_bytes=device_bytes,
-        headroom=headroom, ranks_per_node=ranks_per_node,
+        headroom=headroom, ranks_per_node=ranks_per_node, grad_accum_steps=grad_accum_steps,
     )
     choice = choose_strategy(estimates, device_bytes=device_bytes, headroom=headroom,
                              world_size=world_size, ranks_per_node=ranks_per_node)
     cls = strategy_class(choice.strategy)
-    strategy = cls(sharding=choice.sharding) if choice.sharding else cls()  # type: ignore[call-arg]
+    kwargs: dict[str, object] = {"sharding": choice.sharding} if choice.sharding else {}
+    if choice.sync_each_microstep:
+        kwargs["sync_each_microstep"] = True
+    strategy = cls(**kwargs)  # type: ignore[arg-type]  # fsdp, hsdp take these
     return strategy, choice.reason
 
 

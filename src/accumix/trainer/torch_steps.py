@@ -30,7 +30,7 @@ from accumix.accelerator import Accelerator
 from accumix.common.micro_batch_search import is_auto
 from accumix.data.loader import AcceleratedDataLoader
 from accumix.errors import ConfigError
-from accumix.memory.micro_batch_probe import batch_maker
+from accumix.memory.probe_batch import batch_maker
 from accumix.runtime.fault import PreemptionHandler
 from accumix.step.optim import AcceleratedOptimizer
 from accumix.trainer.evaluation import evaluate, shard_for_eval
