@@ -288,18 +288,25 @@ def test_an_nnx_dropout_held_in_the_params_draws_anew_each_micro_step() -> None:
     class Model(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
             self.drop = nnx.Dropout(0.5, rngs=rngs)
+            # A key that is no stream (no count beside it): a fixed random projection's seed.
+            self.seed = nnx.Variable(jax.random.key(3))
 
     graphdef, params = nnx.split(Model(nnx.Rngs(dropout=1)))
     stored = jax.random.key_data(params["drop"]["rngs"]["key"].get_value())
 
     def loss_fn(p, batch, rng):
-        kept = (nnx.merge(graphdef, p).drop(jnp.ones((16,))) != 0).astype(jnp.float32)
-        return jnp.mean(batch["x"]) * 0.0, {"kept": kept}
+        model = nnx.merge(graphdef, p)
+        kept = (model.drop(jnp.ones((16,))) != 0).astype(jnp.float32)
+        projection = jax.random.normal(model.seed.get_value(), (16,))
+        return jnp.mean(batch["x"]) * 0.0, {"kept": kept, "projection": projection}
 
     windows = [w.micro_batches(K, seed=i) for i in range(2)]
     _, state, metrics = run("ddp", windows, loss_fn, params=params, tx=optax.sgd(0.1))
     kept = [np.asarray(m["aux"]["kept"]) for m in metrics]  # means over 2 micro-steps x 2 devices
     assert not np.isin(kept[0], [0.0, 1.0]).all() and not np.array_equal(kept[0], kept[1])
+    fixed = np.asarray(jax.random.normal(jax.random.key(3), (16,)))
+    for m in metrics:  # the same draw on every micro-step and device: the key reached it as is
+        np.testing.assert_allclose(np.asarray(m["aux"]["projection"]), fixed, rtol=0, atol=1e-6)
     # The stored stream is carried unchanged, so a resumed run draws alike.
     after = state.params["drop"]["rngs"]["key"].get_value()
     assert np.array_equal(jax.random.key_data(after), stored)
