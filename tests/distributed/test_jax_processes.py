@@ -74,6 +74,11 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     for name, params in golden.items():
         assert trained[0]["uneven_strategy_params"][name] == params, name
     assert [r["single_object"] for r in trained] == [trained[0]["single"]] * 2
+    # acc.eval_step with 5 rows on one process and 3 on the other (and 3 against 1), both
+    # loss modes: the sums of every row once (before: unequal local shapes, an error).
+    for r in trained:
+        assert set(r["uneven_eval"]) == {"item-5", "item-3", "mean-5", "mean-3"}, r
+        assert all(d < 1e-5 for d in r["uneven_eval"].values()), r["uneven_eval"]
     # The same windows in mean mode with a masked token mean (0/0 on padding), fsdp both
     # modes: the padded micro-step adds exact zeros (NaN when it ran on the padding's zeros).
     for r in trained:

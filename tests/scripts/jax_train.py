@@ -158,6 +158,35 @@ def uneven_and_single(result: dict[str, object]) -> None:
         result["single"] = str(exc)
 
 
+def uneven_eval(result: dict[str, object]) -> None:
+    """``acc.eval_step`` when the processes pass different row counts (a validation set's last
+    batch split over ranks, as the Trainer's ``shard_for_eval`` does: 5 rows and 3, 2 devices
+    each), fsdp, both loss modes: the sums of all 8 rows, counted once (before, the global
+    array of unequal local shapes failed). Then 3 rows against 1 (one per device on one,
+    a device with no real row on the other)."""
+    import optax
+
+    acc = axj.Accelerator(strategy="fsdp", precision="fp32", grad_accum_steps=K)
+    state = acc.setup(w.init_params(), optax.sgd(0.1))
+    rows = w.micro_batches(1, rows=8, seed=23)[0]
+    got = {}
+    for name, loss_fn in (("item", w.item_loss), ("mean", w.mean_loss)):
+        evaluate = acc.eval_step(loss_fn)
+        for split in (5, 3):
+            mine_rows = jax.tree.map(lambda x, n=split: x[:n] if jax.process_index() == 0
+                                     else x[n:n + (8 - n if n == 5 else 1)], rows)
+            total = 8 if split == 5 else 4
+            everything = jax.tree.map(lambda x, t=total: x[:t], rows)
+            loss_sum, items = (float(v) for v in jax.device_get(evaluate(state, mine_rows)))
+            if name == "item":
+                ref = w.item_loss(w.init_params(), everything, None)
+            else:  # a mean over each row counts as mean x rows: the sum of the rows' losses
+                ref = (w.mean_loss(w.init_params(), everything, None) * total, total)
+            got[f"{name}-{split}"] = max(abs(loss_sum - float(ref[0])),
+                                         abs(items - float(ref[1])))
+    result["uneven_eval"] = got
+
+
 def strategy_objects() -> dict[str, axj.JaxStrategy]:
     """Every JAX strategy class, built before JAX starts (the README's way to ask for
     ``sync_each_microstep``): the mesh must wait for ``jax.distributed`` (was a RuntimeError
@@ -363,6 +392,7 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
             hsdp_on_one_process(result, out)
     if mode == "train" and acc.world_size > 1:
         uneven_and_single(result)
+        uneven_eval(result)
         uneven_every_strategy(result, early, out)
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
     if mode in ("train", "resume") and acc.world_size > 1:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from accumix.jax.data import Window, canonical
 from accumix.jax.state import TrainState
@@ -43,6 +44,12 @@ class EvalStep:
     devices) are evaluated apart, one row per device, the devices left over given a copy of the
     last row with weight 0: every device holds whole rows of one weight (``build_eval`` weighs
     a device by its first row), so the sums count each row once and nothing else.
+
+    On several processes the rows may differ between them (a validation set's last batch split
+    over ranks: 8 rows on one, 7 on the other), and every process must make the same calls with
+    the same shapes (each is a collective): the processes share their row counts, evaluate the
+    whole part they all have in one call, and the rest one row per device, a process that ran
+    out giving its devices copies of its last row with weight 0.
     """
 
     def __init__(self, jitted: Any, acc: Accelerator) -> None:
@@ -53,17 +60,22 @@ class EvalStep:
         local = jax.tree.map(canonical, batch)
         rows = jax.tree.leaves(local)[0].shape[0]
         devices = self._acc.local_devices
-        whole = rows - rows % devices
-        if whole == rows:
-            return self._run(state, local, np.full(rows, weight, np.float32))
-        tail = jax.tree.map(lambda a: np.concatenate(
-            [a[whole:], np.repeat(a[-1:], devices - (rows - whole), axis=0)]), local)
-        weights = np.where(np.arange(devices) < rows - whole, weight, 0.0).astype(np.float32)
-        sums = self._run(state, tail, weights)
+        counts = [rows]
+        if jax.process_count() > 1:  # every process's rows, to make the same calls everywhere
+            counts = [int(n) for n in multihost_utils.process_allgather(np.int64(rows))]
+        whole = min(n - n % devices for n in counts)  # the rows every process's devices divide
+        rest = max(counts) - whole
+        sums = None
         if whole:
-            head = self._run(state, jax.tree.map(lambda a: a[:whole], local),
+            sums = self._run(state, jax.tree.map(lambda a: a[:whole], local),
                              np.full(whole, weight, np.float32))
-            sums = jax.tree.map(jax.numpy.add, head, sums)
+        for start in range(whole, whole + rest, devices):  # one row per device
+            real = max(0, min(devices, rows - start))
+            pick = np.minimum(np.arange(start, start + devices), rows - 1)
+            part = self._run(state, jax.tree.map(lambda a, pick=pick: a[pick], local),
+                             np.where(np.arange(devices) < real, weight, 0.0).astype(np.float32))
+            sums = part if sums is None else jax.tree.map(jax.numpy.add, sums, part)
+        assert sums is not None, "an evaluation batch of no rows"
         return sums
 
     def _run(self, state: TrainState, local: Any, weights: np.ndarray
