@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,6 +156,24 @@ def test_one_node_launch_holds_the_jax_coordinator_port_on_loopback(
     monkeypatch.setenv("ACCUMIX_JAX_COORDINATOR", "127.0.0.1:1234")
     with jax_coordinator_port(plan_launch(nproc=2, environ={})):
         assert os.environ["ACCUMIX_JAX_COORDINATOR"] == "127.0.0.1:1234"
+    # The kernel may hand out MASTER_PORT (only checked free; torchrun's store binds it later,
+    # then failed with EADDRINUSE): forced here, the held port is another one.
+    master = plan_launch(nproc=2, environ={})
+    real = socket.socket
+
+    class FirstBindTakesMasterPort(real):
+        def bind(self, address: Any) -> None:
+            first = not calls
+            calls.append(address)
+            super().bind((address[0], master.master_port) if first else address)
+
+    calls: list[Any] = []
+    monkeypatch.delenv("ACCUMIX_JAX_COORDINATOR")
+    monkeypatch.setattr(socket, "socket", FirstBindTakesMasterPort)
+    with jax_coordinator_port(master):
+        held = int(os.environ["ACCUMIX_JAX_COORDINATOR"].rsplit(":", 1)[1])
+    monkeypatch.setattr(socket, "socket", real)
+    assert held != master.master_port and len(calls) == 2, (held, master.master_port, calls)
     # Process 0's service listens on the loopback address only (JAX's default: every one).
     pytest.importorskip("jax")
     from accumix.jax.distributed import bind_address

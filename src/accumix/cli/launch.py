@@ -178,17 +178,26 @@ def jax_coordinator_port(plan: LaunchPlan) -> Iterator[None]:
     when chosen can be taken in the seconds before rank 0 binds it (rank 0 then died with
     "Failed to start RPC server"). JAX's service cannot bind port 0 and report it, so the
     launcher binds one itself and keeps it bound: with ``SO_REUSEPORT``, which gRPC servers set
-    on Linux, rank 0's service (same user) binds it too, while any other bind refuses it and no
-    outgoing connection picks it as its local port.
+    on Linux, rank 0's service (same user) binds it too, while a bind without ``SO_REUSEPORT``
+    (or another user's) is refused and no outgoing connection picks it as its local port. A
+    process of the same user that sets ``SO_REUSEPORT`` and names this port could still share
+    it (the kernel cannot tell it from rank 0's service); nothing picks it by chance.
     """
     host = "127.0.0.1" if plan.master_addr == "localhost" else plan.master_addr
     if (plan.nnodes > 1 or not is_loopback(host) or ":" in host
             or "ACCUMIX_JAX_COORDINATOR" in os.environ or not sys.platform.startswith("linux")):
         yield
         return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        held.bind((host, 0))
+    with contextlib.ExitStack() as sockets:
+        while True:
+            held = sockets.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            held.bind((host, 0))
+            # MASTER_PORT was only checked free (torchrun's store binds it after this), so
+            # the kernel may hand it out here (measured: 5 in 50,000): the store then fails
+            # with EADDRINUSE. Keeping that socket bound makes the next bind pick another.
+            if held.getsockname()[1] != plan.master_port:
+                break
         os.environ["ACCUMIX_JAX_COORDINATOR"] = f"{host}:{held.getsockname()[1]}"
         try:
             yield
