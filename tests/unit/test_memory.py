@@ -344,3 +344,13 @@ def test_bad_counts_and_choice_inputs() -> None:
     with pytest.raises(ValueError, match="estimates lack zero1, fsdp-full"):
         choose_strategy(estimates[::2], device_bytes=GIB, world_size=2)
     assert set(PRECISIONS) == {"fp32", "bf16-mixed", "fp16-mixed", "bf16-true"}
+
+
+def test_names_moved_out_of_the_memory_model_stay_importable_from_it() -> None:
+    """choose_strategy, StrategyChoice and device_free_bytes moved to their own modules; code
+    that imported them from accumix.memory.model gets the same objects."""
+    from accumix.memory import device_memory, model, strategy_choice
+
+    assert model.choose_strategy is strategy_choice.choose_strategy
+    assert model.StrategyChoice is strategy_choice.StrategyChoice
+    assert model.device_free_bytes is device_memory.device_free_bytes

@@ -308,3 +308,19 @@ def _check_int(name: str, value: int, *, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+_MOVED = {"choose_strategy": "accumix.memory.strategy_choice",
+          "StrategyChoice": "accumix.memory.strategy_choice",
+          "device_free_bytes": "accumix.memory.device_memory"}
+
+
+def __getattr__(name: str) -> object:
+    """The names that moved out of this module stay importable from it (code written against
+    ``accumix.memory.model.choose_strategy`` keeps working); imported on first use, as
+    ``strategy_choice`` imports this module."""
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
