@@ -104,7 +104,7 @@ def measured_estimate(loss_fn: LossFn, params: Any, optimizer: Any, micro_batch:
                                 grad_accum_steps=grad_accum_steps, precision=precision,
                                 clip_norm=clip_norm, strategy=strategy)
     devices = strategy.num_devices
-    window = devices * grad_accum_steps * sum(_nbytes(x) for x in jax.tree.leaves(micro_batch))
+    window = _window_bytes(micro_batch, devices, grad_accum_steps)
     row = row_of(strategy)
     rows = estimate_jax_memory(params, optimizer, num_devices=devices, precision=precision,
                                platform=jax.devices()[0].platform, window_bytes=window,
@@ -126,8 +126,13 @@ def measured_activation_bytes(loss_fn: LossFn, params: Any, optimizer: Any, micr
                               grad_accum_steps=grad_accum_steps, precision=precision,
                               clip_norm=clip_norm, strategy=strategy)
     devices = strategy.num_devices
-    window = devices * grad_accum_steps * sum(_nbytes(x) for x in jax.tree.leaves(micro_batch))
-    return sized.other_bytes - window // devices
+    return sized.other_bytes - _window_bytes(micro_batch, devices, grad_accum_steps) // devices
+
+
+def _window_bytes(micro_batch: Any, devices: int, grad_accum_steps: int) -> int:
+    """The whole window's bytes: ``grad_accum_steps`` micro-batches of one device's rows on each
+    of ``devices``."""
+    return devices * grad_accum_steps * sum(_nbytes(x) for x in jax.tree.leaves(micro_batch))
 
 
 def sizing(loss_fn: LossFn, params: Any, optimizer: Any, batch: Any, *, grad_accum_steps: int,
