@@ -9,6 +9,10 @@ process. What it decides for you:
   port held for JAX's coordinator for the whole launch (``jax_coordinator_port``);
 * inside a SLURM job step (``srun --ntasks-per-node=1 accumix launch ...``): the node count,
   this node's rank, node 0's address and a port from the job id come from the allocation;
+* in a Kubeflow pod (Trainer v2's ``PET_*``; a PyTorchJob pod's ``RANK``/``WORLD_SIZE``/
+  ``MASTER_*``, the pod a node) or on a SkyPilot node (``SKYPILOT_*``; port 29500): the same
+  from the engine's variables (``common/engine_env.py``); a flag that contradicts them is
+  refused;
 * several nodes otherwise: ``--master-addr`` is required; the port defaults to 29500.
 """
 
@@ -25,12 +29,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from accumix.common.engine_env import EngineNodes, engine_nodes, slurm_nodes
 from accumix.common.launch_env import is_loopback
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
-from accumix.runtime.env import first_host
 from accumix.testing import free_port
 
 DEFAULT_MULTINODE_PORT = 29500
+ENGINES = {"slurm": "SLURM", "kubernetes": "Kubeflow", "skypilot": "SkyPilot"}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -71,37 +76,24 @@ def _positive(name: str, value: str | int, minimum: int = 1) -> int:
 
 
 def slurm_settings(environ: Mapping[str, str]) -> dict[str, int | str]:
-    """Defaults read from a SLURM allocation (empty outside one).
+    """Defaults read from a SLURM allocation (empty outside one), as ``accumix env`` shows them.
 
     Raises:
         ConfigError: a multi-node allocation without one launcher per node.
     """
-    if "SLURM_JOB_ID" not in environ:
+    nodes = slurm_nodes(environ)
+    if nodes is None:
         return {}
-    nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES")
-                or environ.get("SLURM_NNODES") or 1)
-    in_step = "SLURM_STEP_ID" in environ
-    tasks = int(environ.get("SLURM_STEP_NUM_TASKS") or nodes) if in_step else nodes
-    if nodes > 1 and (not in_step or tasks != nodes):
-        raise ConfigError(
-            f"this SLURM allocation has {nodes} nodes; start one launcher per node: "
-            "srun --ntasks-per-node=1 accumix launch ..."
-        )
-    out: dict[str, int | str] = {"nnodes": nodes, "node_rank": int(environ.get("SLURM_NODEID", 0))}
-    if nodes > 1:
-        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
-        out["master_addr"] = first_host(nodelist)
-        # Lightning's rule, as runtime/env.py uses it: two jobs on one node get other ports.
-        out["master_port"] = 10000 + int(environ["SLURM_JOB_ID"]) % 10000
-    if environ.get("SLURM_GPUS_ON_NODE"):
-        out["gpus"] = int(environ["SLURM_GPUS_ON_NODE"])
-    if environ.get("SLURM_CPUS_ON_NODE"):
-        out["cpus"] = int(environ["SLURM_CPUS_ON_NODE"])
+    out: dict[str, int | str] = {"nnodes": nodes.nnodes or 1, "node_rank": nodes.node_rank or 0}
+    for key in ("master_addr", "master_port", "gpus", "cpus"):
+        if getattr(nodes, key) is not None:
+            out[key] = getattr(nodes, key)
     return out
 
 
 def resolve_nproc(value: str | int, environ: Mapping[str, str] | None = None) -> int:
-    """Processes for this node: ``auto`` = GPUs, else CPU cores (or the SLURM allocation's).
+    """Processes for this node: ``auto`` = the engine's count (``PET_NPROC_PER_NODE``), else
+    the GPUs (at most the engine's), else the CPU cores (or the engine's).
 
     Raises:
         ConfigError: not ``auto`` nor an integer >= 1.
@@ -109,33 +101,54 @@ def resolve_nproc(value: str | int, environ: Mapping[str, str] | None = None) ->
     environ = os.environ if environ is None else environ
     if value != "auto":
         return _positive("nproc", value)
-    slurm = slurm_settings(environ)
+    engine = engine_nodes(environ)
+    asked = engine.nproc if engine is not None else None
+    if isinstance(asked, int):
+        return asked
     gpus = local_gpus()
-    if gpus:
-        return min(gpus, int(slurm.get("gpus", gpus)))
-    return int(slurm.get("cpus", local_cpus()))
+    if asked == "gpu" and not gpus:
+        raise ConfigError(f"{engine.said['nproc']} but this node has no GPU; give --nproc N "
+                          "or PET_NPROC_PER_NODE=cpu")
+    cpus = (engine.cpus if engine is not None else None) or local_cpus()
+    if gpus and asked != "cpu":
+        return min(gpus, (engine.gpus if engine is not None else None) or gpus)
+    return cpus
+
+
+def _deferred(engine: EngineNodes | None, key: str, flag: Any, option: str) -> Any:
+    """The flag's value or the engine's; a flag that contradicts the engine is refused."""
+    said = getattr(engine, key) if engine is not None else None
+    if flag is not None and said is not None and flag != said:
+        raise ConfigError(f"--{option} {flag} contradicts {engine.said[key]} (set by "
+                          f"{ENGINES[engine.engine]}); drop --{option}: accumix launch reads it")
+    return flag if flag is not None else said
 
 
 def plan_launch(*, nproc: str | int = "auto", nnodes: int | None = None,
                 node_rank: int | None = None, master_addr: str | None = None,
                 master_port: int | None = None, max_restarts: int = 0,
                 environ: Mapping[str, str] | None = None) -> LaunchPlan:
-    """Resolves the launch: explicit values first, then SLURM's, then the defaults.
+    """Resolves the launch: the flags and the cluster engine's variables (SLURM, Kubeflow's
+    ``PET_*`` or a PyTorchJob pod's, SkyPilot's), then the defaults.
 
     Raises:
-        ConfigError: a bad number, a node rank outside the nodes, or several nodes without a
-            master address.
+        ConfigError: a bad number, a node rank outside the nodes, several nodes without a
+            master address, or a flag that contradicts the engine's variables.
     """
     environ = os.environ if environ is None else environ
-    slurm = slurm_settings(environ)
+    engine = engine_nodes(environ)
+    if nproc != "auto" and engine is not None and isinstance(engine.nproc, int):
+        _deferred(engine, "nproc", _positive("nproc", nproc), "nproc")
     procs = resolve_nproc(nproc, environ)
-    nodes = _positive("nnodes", nnodes if nnodes is not None else slurm.get("nnodes", 1))
-    rank = _positive("node-rank", node_rank if node_rank is not None
-                     else slurm.get("node_rank", 0), minimum=0)
+    nodes = _positive("nnodes", _deferred(engine, "nnodes", nnodes, "nnodes") or 1)
+    rank = _positive("node-rank", _deferred(engine, "node_rank", node_rank, "node-rank") or 0,
+                     minimum=0)
     if rank >= nodes:
         raise ConfigError(f"node-rank={rank} is invalid with nnodes={nodes}; use 0..{nodes - 1}")
     _positive("max-restarts", max_restarts, minimum=0)
-    addr = master_addr or slurm.get("master_addr")
+    one_node = nodes == 1  # the engine's address and port then serve nothing: loopback
+    addr = master_addr if one_node else _deferred(engine, "master_addr", master_addr,
+                                                  "master-addr")
     if addr is None:
         if nodes > 1:
             raise ConfigError(
@@ -143,13 +156,15 @@ def plan_launch(*, nproc: str | int = "auto", nnodes: int | None = None,
                 "every node"
             )
         addr = "127.0.0.1"
-    port = master_port or slurm.get("master_port")
+    port = master_port if one_node else _deferred(engine, "master_port", master_port,
+                                                  "master-port")
     if port is None:
         port = DEFAULT_MULTINODE_PORT if nodes > 1 else free_port()
     port = _positive("master-port", port)
     threads = None
     if local_gpus() == 0 and "OMP_NUM_THREADS" not in environ:
-        threads = max(1, int(slurm.get("cpus", local_cpus())) // procs)
+        cpus = (engine.cpus if engine is not None else None) or local_cpus()
+        threads = max(1, cpus // procs)
     return LaunchPlan(nproc=procs, nnodes=nodes, node_rank=rank, master_addr=str(addr),
                       master_port=port, max_restarts=max_restarts, threads_per_process=threads)
 

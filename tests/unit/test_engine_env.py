@@ -1,0 +1,134 @@
+"""The cluster engines' variables (issue 39): what ``accumix launch`` plans from Kubeflow's
+``PET_*``, a PyTorchJob pod's and SkyPilot's variables, flags that contradict them refused in
+one line, a PyTorchJob pod read as a node, Kubeflow's JAX runtime, and never a silent world of
+1 when the engine says the job has more. Each environment here is the one the engine's job file
+in docs/guides/clusters.md gives its pods."""
+
+from __future__ import annotations
+
+import pytest
+
+from accumix.cli.launch import plan_launch, torchrun_args
+from accumix.common.engine_env import check_joined, engine_nodes, jax_runtime_env, node_range
+from accumix.common.launch_env import LaunchEnv
+from accumix.errors import ConfigError
+from accumix.runtime.env import detect_launch_env
+
+K8S = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+# Kubeflow Trainer v2's torch-distributed runtime, pod 1 of a 2-node TrainJob (clusters.md).
+TRAINJOB = {**K8S, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
+            "PET_MASTER_ADDR": "mnist-node-0-0.mnist", "PET_MASTER_PORT": "29400"}
+# SkyPilot's run section on node 1 of `num_nodes: 2`.
+SKY = {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "1",
+       "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_GPUS_PER_NODE": "0"}
+# A PyTorchJob Worker pod (replica 2 of Master + 3 Workers) running `python train.py`.
+PYTORCHJOB = {**K8S, "RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "job-master-0",
+              "MASTER_PORT": "23456"}
+
+
+def _plan(environ: dict[str, str], **flags: object) -> tuple:
+    plan = plan_launch(environ=environ, **flags)  # type: ignore[arg-type]
+    return plan.nproc, plan.nnodes, plan.node_rank, plan.master_addr, plan.master_port
+
+
+def test_launch_plans_from_each_engine() -> None:
+    assert _plan(TRAINJOB) == (4, 2, 1, "mnist-node-0-0.mnist", 29400)
+    assert _plan(SKY, nproc=2) == (2, 2, 1, "10.0.0.5", 29500)  # SkyPilot names no port
+    assert _plan(SKY, nproc=2, master_port=8008)[-1] == 8008  # no contradiction: a choice
+    assert _plan(PYTORCHJOB, nproc=1) == (1, 4, 3, "job-master-0", 23456)
+    plan = plan_launch(environ=TRAINJOB)
+    assert torchrun_args(plan, "train.py", [])[:5] == [
+        "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
+        "--master-addr=mnist-node-0-0.mnist", "--master-port=29400"]
+    # Flags that agree are fine; a one-node engine job rendezvouses on loopback.
+    assert _plan(TRAINJOB, nnodes=2, node_rank=1, nproc=4)[:3] == (4, 2, 1)
+    one = _plan({**TRAINJOB, "PET_NNODES": "1", "PET_NODE_RANK": "0"})
+    assert one[1:4] == (1, 0, "127.0.0.1") and one[4] != 29400
+
+
+@pytest.mark.parametrize(("environ", "flags", "message"), [
+    (TRAINJOB, {"nnodes": 1}, "--nnodes 1 contradicts PET_NNODES=2 (set by Kubeflow)"),
+    (TRAINJOB, {"node_rank": 0}, "--node-rank 0 contradicts PET_NODE_RANK=1 (set by Kubeflow)"),
+    (TRAINJOB, {"nproc": 2}, "--nproc 2 contradicts PET_NPROC_PER_NODE=4 (set by Kubeflow)"),
+    (TRAINJOB, {"master_addr": "127.0.0.1"}, "--master-addr 127.0.0.1 contradicts "
+                                             "PET_MASTER_ADDR=mnist-node-0-0.mnist"),
+    (TRAINJOB, {"master_port": 1}, "--master-port 1 contradicts PET_MASTER_PORT=29400"),
+    (SKY, {"nnodes": 1, "nproc": 2}, "--nnodes 1 contradicts SKYPILOT_NUM_NODES=2 (set by "
+                                     "SkyPilot)"),
+    (SKY, {"master_addr": "10.0.0.6", "nproc": 2}, "contradicts SKYPILOT_NODE_IPS's first "
+                                                   "line 10.0.0.5"),
+    (PYTORCHJOB, {"node_rank": 0}, "--node-rank 0 contradicts RANK=3 (set by Kubeflow)"),
+    ({**SKY, "SKYPILOT_NODE_IPS": "10.0.0.5"}, {}, "SKYPILOT_NODE_IPS has 1 address(es) but "
+                                                   "SKYPILOT_NUM_NODES=2"),
+    ({**TRAINJOB, "PET_NNODES": "two"}, {}, "PET_NNODES='two' is invalid; use N or MIN:MAX"),
+])
+def test_flags_that_contradict_the_engine_are_refused_in_one_line(
+        environ: dict[str, str], flags: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        plan_launch(environ=environ, **flags)  # type: ignore[arg-type]
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_pytorchjob_pod_is_a_node() -> None:
+    # Before: one node of 4 (local world = world), so hsdp, the memory model's per-node shares
+    # and "auto" were wrong.
+    env = detect_launch_env(PYTORCHJOB)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 0, 1)
+    assert (env.node_rank, env.num_nodes, env.launcher) == (3, 4, "kubernetes")
+    assert (env.master_addr, env.master_port) == ("job-master-0", 23456)
+    # torchrun's ranks inside an engine's node say the engine (their local ranks are torchrun's)
+    ranks = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+             "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
+    assert detect_launch_env({**TRAINJOB, **ranks}).launcher == "kubernetes"
+    assert detect_launch_env({**SKY, **ranks}).launcher == "skypilot"
+    assert detect_launch_env({**K8S, **ranks}).launcher == "torchrun"  # a pod, no engine
+
+
+def test_nowhere_a_silent_world_of_one() -> None:
+    alone = LaunchEnv()
+    for environ, said in ((TRAINJOB, "PET_NNODES=2"), (SKY, "SKYPILOT_NUM_NODES=2")):
+        with pytest.raises(ConfigError, match=f"{said} but this process joined a job of 1 "
+                                              r"node\(s\) \(1 process\(es\)\)"):
+            check_joined(alone, environ)
+    # A launcher that ignored the engine: each pod trained alone as a world of 4 (issue 39).
+    each_pod = LaunchEnv(rank=1, world_size=4, local_world_size=4, num_nodes=1,
+                         launcher="kubernetes")
+    with pytest.raises(ConfigError, match="each node would train alone"):
+        check_joined(each_pod, TRAINJOB)
+    with pytest.raises(ConfigError, match="PET_NPROC_PER_NODE=4 but this node joined 2"):
+        check_joined(LaunchEnv(world_size=4, local_world_size=2, num_nodes=2), TRAINJOB)
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES=2 but this process joined a job "
+                                          "of 1"):
+        check_joined(alone, {"JAX_NUM_PROCESSES": "2"}, backend="jax")
+    # What joined matches: no error; SLURM, MPI and Ray start every process themselves.
+    check_joined(LaunchEnv(world_size=8, local_world_size=4, num_nodes=2), TRAINJOB)
+    check_joined(LaunchEnv(world_size=2, num_nodes=2, launcher="ray"), SKY)
+    check_joined(alone, {**TRAINJOB, "PET_NNODES": "1", "PET_NPROC_PER_NODE": "auto"})
+    check_joined(alone, {"JAX_NUM_PROCESSES": "2"})  # torch does not read JAX's variables
+
+
+def test_kubeflow_jax_runtime() -> None:
+    env = {**K8S, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
+           "JAX_COORDINATOR_ADDRESS": "jax-example-node-0-0.jax-example:6666"}
+    launch, address = jax_runtime_env(env)
+    assert address == "jax-example-node-0-0.jax-example:6666"
+    assert (launch.rank, launch.world_size, launch.num_nodes, launch.launcher) == (
+        1, 2, 2, "kubernetes")
+    assert jax_runtime_env({**env, "JAX_COORDINATOR_ADDRESS": "h",
+                            "JAX_COORDINATOR_PORT": "1234"})[1] == "h:1234"
+    with pytest.raises(ConfigError, match="JAX_COORDINATOR_ADDRESS='h' has no port"):
+        jax_runtime_env({**env, "JAX_COORDINATOR_ADDRESS": "h"})
+    with pytest.raises(ConfigError, match="JAX_PROCESS_ID=2 is invalid with "
+                                          "JAX_NUM_PROCESSES=2"):
+        jax_runtime_env({**env, "JAX_PROCESS_ID": "2"})
+    assert jax_runtime_env({}) is None
+
+
+def test_slurm_and_elastic_ranges() -> None:
+    assert node_range("PET_NNODES", "1:2") == (1, 2) and node_range("x", "3") == (3, 3)
+    with pytest.raises(ConfigError, match="PET_NNODES='2:1' is invalid"):
+        node_range("PET_NNODES", "2:1")
+    nodes = engine_nodes({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2",
+                          "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0",
+                          "SLURM_STEP_NODELIST": "n[3-4]", **TRAINJOB})
+    assert (nodes.engine, nodes.master_addr, nodes.master_port) == ("slurm", "n3", 10077)
