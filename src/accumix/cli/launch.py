@@ -13,6 +13,7 @@ process. What it decides for you:
   ``MASTER_*``, the pod a node) or on a SkyPilot node (``SKYPILOT_*``; port 29500): the same
   from the engine's variables (``common/engine_env.py``); a flag that contradicts them is
   refused;
+* SIGUSR1 and SIGUSR2 (``#SBATCH --signal=USR1@90``) are forwarded to every rank;
 * several nodes otherwise: ``--master-addr`` is required; the port defaults to 29500.
 """
 
@@ -25,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -220,6 +222,49 @@ def jax_coordinator_port(plan: LaunchPlan) -> Iterator[None]:
             del os.environ["ACCUMIX_JAX_COORDINATOR"]
 
 
+# SLURM's warning signals (#SBATCH --signal=USR1@90): torchrun's agent does not handle them
+# and their default action would end it, while its ranks, each in a session of its own, are not
+# in the process group SLURM signals.
+WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def child_pids() -> list[int]:
+    """This process's children (Linux ``/proc``; elsewhere none): the agent's ranks."""
+    pids: list[int] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as children:
+                pids += [int(pid) for pid in children.read().split()]
+        except OSError:
+            continue  # the thread exited meanwhile
+    return pids
+
+
+@contextlib.contextmanager
+def forwarding_warning_signals() -> Iterator[None]:
+    """While the ranks run, SIGUSR1/SIGUSR2 sent to the launcher go on to every rank (which
+    saves at its next boundary when it watches that signal: ``preemption_signals``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid in child_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in WARNING_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                  module: bool = False) -> int:
     """Runs torchrun's agent in this process until every rank exited.
@@ -244,7 +289,7 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                  if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        with jax_coordinator_port(plan):
+        with jax_coordinator_port(plan), forwarding_warning_signals():
             run(parse_args(torchrun_args(plan, target, target_args, module=module)))
     except SignalException as exc:
         # torchrun's agent turned the signal into this exception after it forwarded the signal

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from accumix.common import run_dir as layout
+from accumix.common.slurm_requeue import requeue
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 
 if TYPE_CHECKING:
@@ -62,9 +63,12 @@ def save_for_preemption(trainer: Trainer) -> Path | None:
 
 
 def stop_preempted(trainer: Trainer) -> NoReturn:
-    """``trainer.stop_preempted()``: saves (collective) and raises ``Preempted``."""
-    path = save_for_preemption(trainer)
+    """``trainer.stop_preempted()``: saves (collective), asks SLURM to requeue the job when
+    the Trainer was given ``requeue=True`` (rank 0), and raises ``Preempted``."""
+    path = save_for_preemption(trainer)  # published when it returns
     if trainer.accelerator.is_main_process:
         log.warning("pre-empted: saved %s at step %d; stopping (exit status %d: requeue the "
                     "job to resume)", path, trainer.step, PREEMPTED_EXIT_CODE)
+        if trainer.requeue_target is not None:
+            requeue(trainer.requeue_target)
     raise Preempted(trainer.step, path)
