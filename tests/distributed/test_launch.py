@@ -84,7 +84,10 @@ def test_four_pytorchjob_pods_are_four_nodes(tmp_path: Path) -> None:
         subprocess.Popen([sys.executable, str(script)], env={
             **_env(), "OUT_DIR": str(tmp_path), "KUBERNETES_SERVICE_HOST": "10.96.0.1",
             "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port, "OMP_NUM_THREADS": "1"},
+            "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+            # what a recent training-operator adds (checked against what joined)
+            "PET_NNODES": "4", "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": "auto",
+            "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in range(4)
     ]

@@ -6,11 +6,16 @@ in docs/guides/clusters.md gives its pods."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
+import yaml
 
 from accumix.cli.launch import plan_launch, torchrun_args
 from accumix.common.engine_env import check_joined, engine_nodes, jax_runtime_env, node_range
 from accumix.common.launch_env import LaunchEnv
+from accumix.common.preemption import parse_signals
 from accumix.errors import ConfigError
 from accumix.runtime.env import detect_launch_env
 
@@ -21,9 +26,13 @@ TRAINJOB = {**K8S, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK"
 # SkyPilot's run section on node 1 of `num_nodes: 2`.
 SKY = {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "1",
        "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_GPUS_PER_NODE": "0"}
-# A PyTorchJob Worker pod (replica 2 of Master + 3 Workers) running `python train.py`.
+# A PyTorchJob Worker pod (replica 2 of Master + 3 Workers) running `python train.py`, as an
+# older training-operator sets it, and as a recent one does (PET_* too, nprocPerNode "auto").
 PYTORCHJOB = {**K8S, "RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "job-master-0",
               "MASTER_PORT": "23456"}
+PYTORCHJOB_PET = {**PYTORCHJOB, "PET_NNODES": "4", "PET_NODE_RANK": "3",
+                  "PET_NPROC_PER_NODE": "auto", "PET_MASTER_ADDR": "job-master-0",
+                  "PET_MASTER_PORT": "23456"}
 
 
 def _plan(environ: dict[str, str], **flags: object) -> tuple:
@@ -36,6 +45,7 @@ def test_launch_plans_from_each_engine() -> None:
     assert _plan(SKY, nproc=2) == (2, 2, 1, "10.0.0.5", 29500)  # SkyPilot names no port
     assert _plan(SKY, nproc=2, master_port=8008)[-1] == 8008  # no contradiction: a choice
     assert _plan(PYTORCHJOB, nproc=1) == (1, 4, 3, "job-master-0", 23456)
+    assert _plan(PYTORCHJOB_PET, nproc=1) == (1, 4, 3, "job-master-0", 23456)
     plan = plan_launch(environ=TRAINJOB)
     assert torchrun_args(plan, "train.py", [])[:5] == [
         "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
@@ -72,10 +82,12 @@ def test_flags_that_contradict_the_engine_are_refused_in_one_line(
 def test_a_pytorchjob_pod_is_a_node() -> None:
     # Before: one node of 4 (local world = world), so hsdp, the memory model's per-node shares
     # and "auto" were wrong.
-    env = detect_launch_env(PYTORCHJOB)
-    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 0, 1)
-    assert (env.node_rank, env.num_nodes, env.launcher) == (3, 4, "kubernetes")
-    assert (env.master_addr, env.master_port) == ("job-master-0", 23456)
+    for variables in (PYTORCHJOB, PYTORCHJOB_PET):
+        env = detect_launch_env(variables)
+        assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 0, 1)
+        assert (env.node_rank, env.num_nodes, env.launcher) == (3, 4, "kubernetes")
+        assert (env.master_addr, env.master_port) == ("job-master-0", 23456)
+        check_joined(env, variables)  # what joined is what the operator started
     # torchrun's ranks inside an engine's node say the engine (their local ranks are torchrun's)
     ranks = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
              "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
@@ -132,3 +144,67 @@ def test_slurm_and_elastic_ranges() -> None:
                           "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0",
                           "SLURM_STEP_NODELIST": "n[3-4]", **TRAINJOB})
     assert (nodes.engine, nodes.master_addr, nodes.master_port) == ("slurm", "n3", 10077)
+
+
+# -- docs/guides/clusters.md: each job file against the variables its engine gives ----------------
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "guides" / "clusters.md"
+
+
+def _blocks(info: str) -> list[str]:
+    return re.findall(rf"```{info}\n(.*?)```", DOCS.read_text(), flags=re.S)
+
+
+def _launch_flags(command: list[str]) -> dict[str, object]:
+    """``accumix launch [flags] SCRIPT`` -> plan_launch's keyword arguments."""
+    from accumix.cli.main import build_parser
+
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "launch" and args.script, command
+    return {"nproc": args.nproc, "nnodes": args.nnodes, "node_rank": args.node_rank,
+            "master_addr": args.master_addr, "master_port": args.master_port}
+
+
+def test_the_cluster_guides_job_files_fit_their_engines_variables() -> None:
+    from accumix.cli.train import load_train_config
+
+    manifests = [yaml.safe_load(block) for block in _blocks("yaml")]
+    trainjob, pytorchjob, jaxjob, sky = manifests
+    # TrainJob: numNodes and numProcPerNode become the PET_* the tests above set; its command
+    # plans that job from them with no flag in the way.
+    spec = trainjob["spec"]["trainer"]
+    assert (trainjob["kind"], trainjob["spec"]["runtimeRef"]["name"]) == (
+        "TrainJob", "torch-distributed")
+    assert (str(spec["numNodes"]), str(spec["numProcPerNode"])) == (
+        TRAINJOB["PET_NNODES"], TRAINJOB["PET_NPROC_PER_NODE"])
+    assert _plan(TRAINJOB, **_launch_flags(spec["command"]))[:3] == (4, 2, 1)
+    # PyTorchJob: the replicas are WORLD_SIZE, each pod runs python train.py as a node.
+    replicas = pytorchjob["spec"]["pytorchReplicaSpecs"]
+    assert sum(r["replicas"] for r in replicas.values()) == int(PYTORCHJOB["WORLD_SIZE"])
+    for replica in replicas.values():
+        (container,) = replica["template"]["spec"]["containers"]
+        assert container["name"] == "pytorch" and container["command"] == ["python", "train.py"]
+    # JAX runtime: numNodes processes, accumix train as one process (no self-launch).
+    assert jaxjob["spec"]["runtimeRef"]["name"] == "jax-distributed"
+    assert jaxjob["spec"]["trainer"]["numNodes"] == 2  # JAX_NUM_PROCESSES in the JAX test
+    command = jaxjob["spec"]["trainer"]["command"]
+    assert command[:3] == ["accumix", "train", "job.yaml"]
+    assert load_train_config(command[3:]).backend == "jax"
+    # SkyPilot: num_nodes is SKYPILOT_NUM_NODES; the run line plans the job on a node.
+    assert sky["num_nodes"] == int(SKY["SKYPILOT_NUM_NODES"])
+    (line,) = [row for row in sky["run"].splitlines() if row.startswith("accumix launch")]
+    assert _plan(SKY, **{**_launch_flags(line.split()), "nproc": 8}) == (
+        8, 2, 1, "10.0.0.5", 29500)
+    # sbatch: the --signal is the signal the job saves on, requeue on; one launcher per node.
+    (script,) = _blocks("bash")
+    warning = re.search(r"#SBATCH --signal=(\w+)@(\d+)", script)
+    (srun,) = [row for row in script.splitlines() if row.startswith("srun ")]
+    words = srun.split()
+    assert "--ntasks-per-node=1" in script and words[1:3] == ["accumix", "launch"]
+    config = load_train_config(words[words.index("train") + 2:])
+    assert parse_signals(config.preemption_signals) == parse_signals([warning.group(1)])
+    assert config.requeue and int(warning.group(2)) >= 60
+    step = {"SLURM_JOB_ID": "88", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "gpu[1-2]",
+            "SLURM_CPUS_ON_NODE": "16"}
+    assert _plan(step, **_launch_flags(words[1:words.index("train") - 1] + ["x.py"]))[1:4] == (
+        2, 1, "gpu1")
