@@ -208,3 +208,90 @@ def test_the_cluster_guides_job_files_fit_their_engines_variables() -> None:
             "SLURM_CPUS_ON_NODE": "16"}
     assert _plan(step, **_launch_flags(words[1:words.index("train") - 1] + ["x.py"]))[1:4] == (
         2, 1, "gpu1")
+
+
+# -- elastic jobs (issue 43) -----------------------------------------------------------------------
+def test_elastic_launch_plans_torchruns_c10d_rendezvous_on_node_0() -> None:
+    plan = plan_launch(nproc=1, nnodes="1:2", node_rank=1, master_addr="10.0.0.5",
+                       master_port=29400, environ={})
+    assert (plan.nnodes, plan.max_restarts) == (2, 3)  # the most nodes; 3 restarts by default
+    assert torchrun_args(plan, "train.py", []) == [
+        "--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.5:29400",
+        "--rdzv-conf=is_host=0", "--nproc-per-node=1", "--max-restarts=3", "train.py"]
+    host = plan_launch(nproc=1, nnodes="1:2", node_rank=0, master_addr="10.0.0.5",
+                       max_restarts=5, rdzv_conf="last_call_timeout=5", environ={})
+    assert torchrun_args(host, "t.py", [])[2:6] == [
+        "--rdzv-endpoint=10.0.0.5:29500", "--rdzv-conf=last_call_timeout=5,is_host=1",
+        "--nproc-per-node=1", "--max-restarts=5"]
+    etcd = plan_launch(nproc=1, nnodes="2:4", rdzv_backend="etcd-v2",
+                       rdzv_endpoint="etcd:2379", environ={})
+    assert torchrun_args(etcd, "t.py", [])[:3] == [
+        "--nnodes=2:4", "--rdzv-backend=etcd-v2", "--rdzv-endpoint=etcd:2379"]
+    # An elastic PyTorchJob's variables say the same.
+    pod = {**K8S, "PET_NNODES": "1:2", "PET_RDZV_BACKEND": "c10d",
+           "PET_RDZV_ENDPOINT": "job-worker-0:23456", "PET_MAX_RESTARTS": "4",
+           "PET_NPROC_PER_NODE": "1"}
+    plan = plan_launch(environ=pod)
+    assert torchrun_args(plan, "t.py", [])[:3] == [
+        "--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=job-worker-0:23456"]
+    assert plan.max_restarts == 4
+    with pytest.raises(ConfigError, match="--nnodes 2 contradicts PET_NNODES=1:2"):
+        plan_launch(nnodes=2, environ=pod)
+    with pytest.raises(ConfigError, match="nnodes=1:2 needs --master-addr: the address of node "
+                                          "0, where the c10d rendezvous runs"):
+        plan_launch(nproc=1, nnodes="1:2", environ={})
+    with pytest.raises(ConfigError, match=r"--nnodes='2:1' is invalid; use N or MIN:MAX"):
+        plan_launch(nproc=1, nnodes="2:1", environ={})
+
+
+def test_the_log_line_of_a_world_change() -> None:
+    from accumix.common.batch_sizes import resumed_grad_accum_steps, world_change
+
+    def geometry(world: int, steps: int, given: str) -> dict:
+        return {"steps": steps, "configured": steps, "given": given, "micro_batch_size": 4,
+                "dp_world_size": world}
+
+    saved = geometry(2, 2, "global_batch_size")
+    mine = geometry(1, 4, "global_batch_size")
+    steps = resumed_grad_accum_steps(saved, mine, global_batch_size=16, assigned=False)
+    assert world_change(saved, mine, steps) == "world 2 -> 1: K 2 -> 4, global batch 16 kept"
+    # Without global_batch_size K is kept, and the global batch is not: said so.
+    mine = geometry(1, 2, "grad_accum_steps")
+    saved = geometry(2, 2, "grad_accum_steps")
+    steps = resumed_grad_accum_steps(saved, mine, global_batch_size=None, assigned=False)
+    assert world_change(saved, mine, steps) == (
+        "world 2 -> 1: K 2 -> 2, global batch 16 -> 8: K is kept without global_batch_size "
+        "(give global_batch_size=16 to keep the global batch)")
+    assert world_change(saved, saved, 2) is None
+    # A checkpoint's global batch a new world cannot divide: the worlds that can are named.
+    with pytest.raises(ConfigError, match=r"data-parallel world sizes that would divide it: "
+                                          r"\[1, 3\]"):
+        resumed_grad_accum_steps(geometry(3, 1, "global_batch_size"),
+                                 geometry(2, 2, "global_batch_size"), global_batch_size=12,
+                                 assigned=False)
+
+
+def test_the_ranks_one_line_error_is_printed_once_by_the_launcher(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank (and, in an elastic job, every restart on a world that cannot work) fails
+    with the same error: each hands its line over in torchrun's error file, the launcher prints
+    the first once (before: one line per rank and per attempt)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from accumix.cli.launch import failure_status
+    from accumix.cli.main import main
+
+    monkeypatch.setenv("ACCUMIX_LAUNCH", "1")
+    failures = {}
+    for rank in (0, 1):
+        error_file = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        assert main(["train", "max_steps=0"]) == 2
+        failures[rank] = ProcessFailure(rank, 1000 + rank, 2, str(error_file))
+    assert capsys.readouterr().err == ""  # the ranks print nothing themselves
+    assert failure_status(failures) == (
+        2, "accumix train: error: max_steps=0 is invalid; use an integer >= 1")
+    monkeypatch.delenv("ACCUMIX_LAUNCH")  # not under accumix launch: the rank prints it
+    assert main(["train", "max_steps=0"]) == 2
+    assert capsys.readouterr().err.count("max_steps=0 is invalid") == 1

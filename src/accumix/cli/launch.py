@@ -26,18 +26,20 @@ import os
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from accumix.common.engine_env import EngineNodes, engine_nodes, slurm_nodes
+from accumix.cli.forward_signals import forwarding_warning_signals
+from accumix.cli.rendezvous import DEFAULT_ELASTIC_RESTARTS, Rendezvous, plan_rendezvous
+from accumix.common.engine_env import EngineNodes, engine_nodes, node_range, slurm_nodes
 from accumix.common.launch_env import is_loopback
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
 from accumix.testing import free_port
 
 DEFAULT_MULTINODE_PORT = 29500
 ENGINES = {"slurm": "SLURM", "kubernetes": "Kubeflow", "skypilot": "SkyPilot"}
+REPORTED = "ConfigError: "  # how torchrun's error file words a rank's handed-over line
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -51,6 +53,8 @@ class LaunchPlan:
     master_port: int
     max_restarts: int
     threads_per_process: int | None  # OMP_NUM_THREADS for CPU ranks; None: leave as is
+    # An elastic job's (--nnodes MIN:MAX) dynamic rendezvous; nnodes is then MAX. None: static.
+    rendezvous: Rendezvous | None = None
 
 
 def local_cpus() -> int:
@@ -126,12 +130,29 @@ def _deferred(engine: EngineNodes | None, key: str, flag: Any, option: str) -> A
     return flag if flag is not None else said
 
 
-def plan_launch(*, nproc: str | int = "auto", nnodes: int | None = None,
+def _node_range(engine: EngineNodes | None, nnodes: int | str | None) -> tuple[int, int]:
+    """(MIN, MAX) nodes from ``--nnodes`` (N or MIN:MAX) or the engine's; a contradiction is
+    refused."""
+    if engine is not None and engine.nnodes is not None:
+        said = (engine.nnodes, engine.max_nodes or engine.nnodes)
+        if nnodes is not None and node_range("--nnodes", str(nnodes)) != said:
+            raise ConfigError(f"--nnodes {nnodes} contradicts {engine.said['nnodes']} (set by "
+                              f"{ENGINES[engine.engine]}); drop --nnodes: accumix launch reads "
+                              "it")
+        return said
+    return node_range("--nnodes", str(nnodes)) if nnodes is not None else (1, 1)
+
+
+def plan_launch(*, nproc: str | int = "auto", nnodes: int | str | None = None,
                 node_rank: int | None = None, master_addr: str | None = None,
-                master_port: int | None = None, max_restarts: int = 0,
+                master_port: int | None = None, max_restarts: int | None = None,
+                rdzv_backend: str | None = None, rdzv_endpoint: str | None = None,
+                rdzv_conf: str | None = None,
                 environ: Mapping[str, str] | None = None) -> LaunchPlan:
     """Resolves the launch: the flags and the cluster engine's variables (SLURM, Kubeflow's
-    ``PET_*`` or a PyTorchJob pod's, SkyPilot's), then the defaults.
+    ``PET_*`` or a PyTorchJob pod's, SkyPilot's), then the defaults. ``nnodes`` MIN:MAX (or
+    the engine's ``PET_NNODES=1:2``) is an elastic job on torchrun's c10d rendezvous at node
+    0's address (``rendezvous.py``), 3 restarts unless ``max_restarts`` says otherwise.
 
     Raises:
         ConfigError: a bad number, a node rank outside the nodes, several nodes without a
@@ -142,24 +163,31 @@ def plan_launch(*, nproc: str | int = "auto", nnodes: int | None = None,
     if nproc != "auto" and engine is not None and isinstance(engine.nproc, int):
         _deferred(engine, "nproc", _positive("nproc", nproc), "nproc")
     procs = resolve_nproc(nproc, environ)
-    nodes = _positive("nnodes", _deferred(engine, "nnodes", nnodes, "nnodes") or 1)
-    rank = _positive("node-rank", _deferred(engine, "node_rank", node_rank, "node-rank") or 0,
-                     minimum=0)
+    low, nodes = _node_range(engine, nnodes)
+    given_rank = _deferred(engine, "node_rank", node_rank, "node-rank")
+    rank = _positive("node-rank", given_rank or 0, minimum=0)
     if rank >= nodes:
         raise ConfigError(f"node-rank={rank} is invalid with nnodes={nodes}; use 0..{nodes - 1}")
-    _positive("max-restarts", max_restarts, minimum=0)
     one_node = nodes == 1  # the engine's address and port then serve nothing: loopback
     addr = master_addr if one_node else _deferred(engine, "master_addr", master_addr,
                                                   "master-addr")
+    port = master_port if one_node else _deferred(engine, "master_port", master_port,
+                                                  "master-port")
+    rendezvous = plan_rendezvous(nodes=(low, nodes), node_rank=given_rank, master_addr=addr,
+                                 master_port=port, backend=rdzv_backend, endpoint=rdzv_endpoint,
+                                 engine=engine, default_port=DEFAULT_MULTINODE_PORT,
+                                 conf=rdzv_conf)
+    restarts = _deferred(engine, "max_restarts", max_restarts, "max-restarts")
+    if restarts is None:
+        restarts = DEFAULT_ELASTIC_RESTARTS if rendezvous is not None else 0
+    _positive("max-restarts", restarts, minimum=0)
     if addr is None:
-        if nodes > 1:
+        if nodes > 1 and rendezvous is None:
             raise ConfigError(
                 f"nnodes={nodes} needs --master-addr: the address of node 0, the same on "
                 "every node"
             )
         addr = "127.0.0.1"
-    port = master_port if one_node else _deferred(engine, "master_port", master_port,
-                                                  "master-port")
     if port is None:
         port = DEFAULT_MULTINODE_PORT if nodes > 1 else free_port()
     port = _positive("master-port", port)
@@ -168,20 +196,25 @@ def plan_launch(*, nproc: str | int = "auto", nnodes: int | None = None,
         cpus = (engine.cpus if engine is not None else None) or local_cpus()
         threads = max(1, cpus // procs)
     return LaunchPlan(nproc=procs, nnodes=nodes, node_rank=rank, master_addr=str(addr),
-                      master_port=port, max_restarts=max_restarts, threads_per_process=threads)
+                      master_port=port, max_restarts=int(restarts), threads_per_process=threads,
+                      rendezvous=rendezvous)
 
 
 def torchrun_args(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                   module: bool = False) -> list[str]:
     """``torch.distributed.run`` arguments for ``plan`` running ``target``."""
-    args = [
-        f"--nnodes={plan.nnodes}",
-        f"--nproc-per-node={plan.nproc}",
-        f"--node-rank={plan.node_rank}",
-        f"--master-addr={plan.master_addr}",
-        f"--master-port={plan.master_port}",
-        f"--max-restarts={plan.max_restarts}",
-    ]
+    if plan.rendezvous is not None:  # elastic: torchrun's dynamic rendezvous
+        args = [*plan.rendezvous.torchrun_args(), f"--nproc-per-node={plan.nproc}",
+                f"--max-restarts={plan.max_restarts}"]
+    else:
+        args = [
+            f"--nnodes={plan.nnodes}",
+            f"--nproc-per-node={plan.nproc}",
+            f"--node-rank={plan.node_rank}",
+            f"--master-addr={plan.master_addr}",
+            f"--master-port={plan.master_port}",
+            f"--max-restarts={plan.max_restarts}",
+        ]
     return [*args, *(["--module"] if module else []), target, *target_args]
 
 
@@ -222,49 +255,6 @@ def jax_coordinator_port(plan: LaunchPlan) -> Iterator[None]:
             del os.environ["ACCUMIX_JAX_COORDINATOR"]
 
 
-# SLURM's warning signals (#SBATCH --signal=USR1@90): torchrun's agent does not handle them
-# and their default action would end it, while its ranks, each in a session of its own, are not
-# in the process group SLURM signals.
-WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-
-
-def child_pids() -> list[int]:
-    """This process's children (Linux ``/proc``; elsewhere none): the agent's ranks."""
-    pids: list[int] = []
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return pids
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/children") as children:
-                pids += [int(pid) for pid in children.read().split()]
-        except OSError:
-            continue  # the thread exited meanwhile
-    return pids
-
-
-@contextlib.contextmanager
-def forwarding_warning_signals() -> Iterator[None]:
-    """While the ranks run, SIGUSR1/SIGUSR2 sent to the launcher go on to every rank (which
-    saves at its next boundary when it watches that signal: ``preemption_signals``)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def forward(signum: int, frame: Any) -> None:
-        for pid in child_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in WARNING_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                  module: bool = False) -> int:
     """Runs torchrun's agent in this process until every rank exited.
@@ -282,6 +272,12 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
 
     if plan.threads_per_process is not None:
         os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_process)
+    os.environ["ACCUMIX_LAUNCH"] = "1"  # the ranks hand their one-line errors to this launcher
+    if plan.rendezvous is not None:
+        # torchrun's agents otherwise share the ranks' store from the first rendezvous's rank 0
+        # on: a node that joins a later round waits for an address nobody writes (pytorch
+        # #147064, #135712; a 60 s timeout, then the launch fails).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Each of torchrun's module loggers sets its own level (WARNING), so the parent's is not
     # enough: the agent's "Received 15 death signal" and "Sending process ... closing signal"
     # lines are the launcher's own business.
@@ -301,7 +297,7 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
     except ChildFailedError as exc:
         status, line = failure_status(exc.failures)
         if line:
-            print(line, flush=True)
+            print(line, file=sys.stderr if status == 2 else sys.stdout, flush=True)
         return status
     return 0
 
@@ -309,15 +305,21 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
 def failure_status(failures: Mapping[int, Any]) -> tuple[int, str]:
     """The launch's exit status from torchrun's failed ranks, and the line naming the first.
 
-    2 when every rank that ended on its own exited with 2 (a usage or config error, its
-    one-line message already printed): once one rank fails the agent stops the others with
-    SIGTERM, which may reach a rank before its own exit 2 (the launch then exited 1); 143 when
+    2 when every rank that ended on its own exited with 2 (a usage or config error: the line
+    the first rank handed over, printed once here): once one rank fails the agent stops the
+    others with SIGTERM, which may reach a rank before its own exit 2 (the launch then exited
+    1); 143 when
     they all exited 143 (the Trainer's pre-emption: saved, to be requeued); 1 otherwise, with
     the first failure named.
     """
     ended = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM}
     if ended and {f.exitcode for f in ended.values()} == {2}:
-        return 2, ""
+        # The ranks' one-line errors (cli/main.py hands them over in torchrun's error file):
+        # the first one, once.
+        texts = [f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
+                 for _, f in sorted(ended.items(), key=lambda item: (item[1].timestamp, item[0]))]
+        reported = [text[len(REPORTED):] for text in texts if text.startswith(REPORTED)]
+        return 2, reported[0] if reported else ""
     if ended and {f.exitcode for f in ended.values()} == {PREEMPTED_EXIT_CODE}:
         return PREEMPTED_EXIT_CODE, ("accumix launch: the ranks were pre-empted and saved (exit "
                                      f"status {PREEMPTED_EXIT_CODE}); run the same command "
@@ -338,13 +340,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "inside `srun --ntasks-per-node=1`).")
     parser.add_argument("--nproc", default="auto", metavar="N|auto",
                         help="processes on this node; auto: its GPUs, else its CPU cores")
-    parser.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1)")
+    parser.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+                        help="number of nodes (default 1); MIN:MAX: an elastic job that loses "
+                        "and takes back nodes (torchrun's c10d rendezvous on node 0)")
     parser.add_argument("--node-rank", type=int, default=None, help="this node's index")
     parser.add_argument("--master-addr", default=None, help="node 0's address")
     parser.add_argument("--master-port", type=int, default=None,
                         help="node 0's port (one node: a free one; several: 29500)")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart every rank up to N times after a failure")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="restart every rank up to N times after a failure (default 0; "
+                        "elastic: 3)")
+    parser.add_argument("--rdzv-backend", default=None,
+                        help="an elastic job's rendezvous: c10d (default, hosted by node 0) or "
+                        "etcd-v2")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="where the rendezvous runs (default: --master-addr:--master-port)")
+    parser.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                        help="torchrun's rendezvous settings, e.g. last_call_timeout=5")
     parser.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name, run as python -m")
     parser.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script")
@@ -360,5 +372,6 @@ def run_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"script {args.script!r} does not exist")
     plan = plan_launch(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                        master_addr=args.master_addr, master_port=args.master_port,
-                       max_restarts=args.max_restarts)
+                       max_restarts=args.max_restarts, rdzv_backend=args.rdzv_backend,
+                       rdzv_endpoint=args.rdzv_endpoint, rdzv_conf=args.rdzv_conf)
     return run_torchrun(plan, args.script, args.script_args, module=args.module)

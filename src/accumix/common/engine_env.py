@@ -10,7 +10,9 @@ The variables, as each engine sets them on every node (pod):
 * SLURM, inside ``srun --ntasks-per-node=1``: ``SLURM_JOB_ID``, ``SLURM_STEP_NUM_NODES``,
   ``SLURM_NODEID``, ``SLURM_STEP_NODELIST`` (node 0 is the first host).
 * Kubeflow Trainer v2 (``torch-distributed`` runtime), for torchrun: ``PET_NNODES``,
-  ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``.
+  ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``; an
+  elastic PyTorchJob: ``PET_NNODES=MIN:MAX``, ``PET_RDZV_BACKEND``, ``PET_RDZV_ENDPOINT``,
+  ``PET_MAX_RESTARTS``.
 * PyTorchJob (``kubeflow.org/v1``) running ``python train.py`` in each pod: ``RANK`` (the
   pod's index), ``WORLD_SIZE`` (the pods), ``MASTER_ADDR``, ``MASTER_PORT``, and no
   ``LOCAL_*``: each pod is one node of one process.
@@ -29,7 +31,8 @@ from dataclasses import dataclass, field
 from accumix.common.launch_env import LaunchEnv, first_host
 from accumix.errors import ConfigError
 
-PET = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NPROC_PER_NODE")
+PET = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NPROC_PER_NODE",
+       "PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT")
 SKYPILOT = ("SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS")
 JAX_RUNTIME = ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS")
 
@@ -45,6 +48,9 @@ class EngineNodes:
         node_rank: this node's index.
         master_addr: node 0's address.
         master_port: node 0's port.
+        rdzv_backend: an elastic job's rendezvous (``PET_RDZV_BACKEND``), e.g. ``"c10d"``.
+        rdzv_endpoint: its ``host:port`` (``PET_RDZV_ENDPOINT``).
+        max_restarts: restarts the engine allows (``PET_MAX_RESTARTS``).
         nproc: processes per node the engine asks for (an int, or ``"auto"``/``"gpu"``/...).
         gpus: this node's GPUs as the engine counts them (a cap for ``--nproc auto``).
         cpus: this node's CPU cores as the engine counts them.
@@ -60,6 +66,9 @@ class EngineNodes:
     nproc: int | str | None = None
     gpus: int | None = None
     cpus: int | None = None
+    rdzv_backend: str | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: int | None = None
     said: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -137,13 +146,21 @@ def kubeflow_nodes(environ: Mapping[str, str]) -> EngineNodes | None:
         nproc: int | str | None = environ.get("PET_NPROC_PER_NODE") or None
         if nproc is not None and nproc.isdigit():
             nproc = _number(environ, "PET_NPROC_PER_NODE", 1)
+        restarts = (_number(environ, "PET_MAX_RESTARTS") if "PET_MAX_RESTARTS" in environ
+                    else None)
         for key, name in (("node_rank", "PET_NODE_RANK"), ("master_addr", "PET_MASTER_ADDR"),
-                          ("master_port", "PET_MASTER_PORT"), ("nproc", "PET_NPROC_PER_NODE")):
+                          ("master_port", "PET_MASTER_PORT"), ("nproc", "PET_NPROC_PER_NODE"),
+                          ("rdzv_backend", "PET_RDZV_BACKEND"),
+                          ("rdzv_endpoint", "PET_RDZV_ENDPOINT"),
+                          ("max_restarts", "PET_MAX_RESTARTS")):
             if name in environ:
                 said[key] = f"{name}={environ[name]}"
         return EngineNodes(engine="kubernetes", nnodes=low, max_nodes=high, node_rank=rank,
                            master_addr=environ.get("PET_MASTER_ADDR") or None,
-                           master_port=port, nproc=nproc, said=said)
+                           master_port=port, nproc=nproc, said=said,
+                           rdzv_backend=environ.get("PET_RDZV_BACKEND") or None,
+                           rdzv_endpoint=environ.get("PET_RDZV_ENDPOINT") or None,
+                           max_restarts=restarts)
     if is_pytorchjob_pod(environ):
         world, rank = _number(environ, "WORLD_SIZE", 1), _number(environ, "RANK")
         said = {"nnodes": f"WORLD_SIZE={world}", "node_rank": f"RANK={rank}"}
