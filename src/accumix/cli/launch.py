@@ -255,6 +255,27 @@ def jax_coordinator_port(plan: LaunchPlan) -> Iterator[None]:
             del os.environ["ACCUMIX_JAX_COORDINATOR"]
 
 
+@contextlib.contextmanager
+def _ranks_environment(plan: LaunchPlan) -> Iterator[None]:
+    """Variables for the ranks while they run (this process's are put back after)."""
+    settings = {"ACCUMIX_LAUNCH": "1"}  # the ranks hand their one-line errors to this launcher
+    if plan.rendezvous is not None and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        # torchrun's agents otherwise share the ranks' store from the first rendezvous's rank 0
+        # on: a node that joins a later round waits for an address nobody writes (pytorch
+        # #147064, #135712; a 60 s timeout, then the launch fails).
+        settings["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                  module: bool = False) -> int:
     """Runs torchrun's agent in this process until every rank exited.
@@ -272,12 +293,7 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
 
     if plan.threads_per_process is not None:
         os.environ["OMP_NUM_THREADS"] = str(plan.threads_per_process)
-    os.environ["ACCUMIX_LAUNCH"] = "1"  # the ranks hand their one-line errors to this launcher
-    if plan.rendezvous is not None:
-        # torchrun's agents otherwise share the ranks' store from the first rendezvous's rank 0
-        # on: a node that joins a later round waits for an address nobody writes (pytorch
-        # #147064, #135712; a 60 s timeout, then the launch fails).
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
     # Each of torchrun's module loggers sets its own level (WARNING), so the parent's is not
     # enough: the agent's "Received 15 death signal" and "Sending process ... closing signal"
     # lines are the launcher's own business.
@@ -285,7 +301,7 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                  if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        with jax_coordinator_port(plan), forwarding_warning_signals():
+        with jax_coordinator_port(plan), forwarding_warning_signals(), _ranks_environment(plan):
             run(parse_args(torchrun_args(plan, target, target_args, module=module)))
     except SignalException as exc:
         # torchrun's agent turned the signal into this exception after it forwarded the signal
