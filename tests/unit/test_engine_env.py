@@ -279,7 +279,7 @@ def test_the_ranks_one_line_error_is_printed_once_by_the_launcher(
     the first once (before: one line per rank and per attempt)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from accumix.cli.launch import failure_status
+    from accumix.cli.launch import failure_status, reported_error
     from accumix.cli.main import main
 
     monkeypatch.setenv("ACCUMIX_LAUNCH", "1")
@@ -290,8 +290,11 @@ def test_the_ranks_one_line_error_is_printed_once_by_the_launcher(
         assert main(["train", "max_steps=0"]) == 2
         failures[rank] = ProcessFailure(rank, 1000 + rank, 2, str(error_file))
     assert capsys.readouterr().err == ""  # the ranks print nothing themselves
-    assert failure_status(failures) == (
-        2, "accumix train: error: max_steps=0 is invalid; use an integer >= 1")
+    line = "accumix train: error: max_steps=0 is invalid; use an integer >= 1"
+    assert (reported_error(failures), failure_status(failures)) == (line, (2, ""))
+    # A peer that died of the first one's exit (a broken collective): the line is not lost.
+    failures[1] = ProcessFailure(1, 1001, 1, "")
+    assert reported_error(failures) == line and failure_status(failures)[0] == 1
     monkeypatch.delenv("ACCUMIX_LAUNCH")  # not under accumix launch: the rank prints it
     assert main(["train", "max_steps=0"]) == 2
     assert capsys.readouterr().err.count("max_steps=0 is invalid") == 1

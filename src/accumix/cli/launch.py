@@ -311,18 +311,31 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
               f"{128 + exc.sigval})", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
+        reported = reported_error(exc.failures)
+        if reported:
+            print(reported, file=sys.stderr, flush=True)
         status, line = failure_status(exc.failures)
         if line:
-            print(line, file=sys.stderr if status == 2 else sys.stdout, flush=True)
+            print(line, flush=True)
         return status
     return 0
+
+
+def reported_error(failures: Mapping[int, Any]) -> str:
+    """The first one-line error a rank handed over (``cli/main.py`` writes it to torchrun's
+    error file instead of printing it), or ``""``: printed once, whichever ranks and restarts
+    met it."""
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    texts = [f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
+             for _, f in ordered]
+    return next((text[len(REPORTED):] for text in texts if text.startswith(REPORTED)), "")
 
 
 def failure_status(failures: Mapping[int, Any]) -> tuple[int, str]:
     """The launch's exit status from torchrun's failed ranks, and the line naming the first.
 
-    2 when every rank that ended on its own exited with 2 (a usage or config error: the line
-    the first rank handed over, printed once here): once one rank fails the agent stops the
+    2 when every rank that ended on its own exited with 2 (a usage or config error, its
+    one-line message printed: ``reported_error``): once one rank fails the agent stops the
     others with SIGTERM, which may reach a rank before its own exit 2 (the launch then exited
     1); 143 when
     they all exited 143 (the Trainer's pre-emption: saved, to be requeued); 1 otherwise, with
@@ -330,12 +343,7 @@ def failure_status(failures: Mapping[int, Any]) -> tuple[int, str]:
     """
     ended = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM}
     if ended and {f.exitcode for f in ended.values()} == {2}:
-        # The ranks' one-line errors (cli/main.py hands them over in torchrun's error file):
-        # the first one, once.
-        texts = [f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
-                 for _, f in sorted(ended.items(), key=lambda item: (item[1].timestamp, item[0]))]
-        reported = [text[len(REPORTED):] for text in texts if text.startswith(REPORTED)]
-        return 2, reported[0] if reported else ""
+        return 2, ""
     if ended and {f.exitcode for f in ended.values()} == {PREEMPTED_EXIT_CODE}:
         return PREEMPTED_EXIT_CODE, ("accumix launch: the ranks were pre-empted and saved (exit "
                                      f"status {PREEMPTED_EXIT_CODE}); run the same command "
