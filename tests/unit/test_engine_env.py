@@ -143,7 +143,15 @@ def test_slurm_and_elastic_ranges() -> None:
     nodes = engine_nodes({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2",
                           "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0",
                           "SLURM_STEP_NODELIST": "n[3-4]", **TRAINJOB})
-    assert (nodes.engine, nodes.master_addr, nodes.master_port) == ("slurm", "n3", 10077)
+    assert (nodes.engine, nodes.master_addr, nodes.default_port) == ("slurm", "n3", 10077)
+    # SLURM names the nodes and node 0; the port is accumix's choice from the job id, which
+    # --master-port may change (a contradiction of the nodes is refused).
+    step = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "n[3-4]"}
+    assert _plan(step, nproc=1)[1:] == (2, 1, "n3", 10077)
+    assert _plan(step, nproc=1, master_port=12345)[-1] == 12345
+    with pytest.raises(ConfigError, match="--node-rank 0 contradicts SLURM_NODEID=1"):
+        plan_launch(nproc=1, node_rank=0, environ=step)
 
 
 # -- docs/guides/clusters.md: each job file against the variables its engine gives ----------------

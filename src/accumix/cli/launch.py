@@ -91,9 +91,10 @@ def slurm_settings(environ: Mapping[str, str]) -> dict[str, int | str]:
     if nodes is None:
         return {}
     out: dict[str, int | str] = {"nnodes": nodes.nnodes or 1, "node_rank": nodes.node_rank or 0}
-    for key in ("master_addr", "master_port", "gpus", "cpus"):
-        if getattr(nodes, key) is not None:
-            out[key] = getattr(nodes, key)
+    for key, name in (("master_addr", "master_addr"), ("master_port", "default_port"),
+                      ("gpus", "gpus"), ("cpus", "cpus")):
+        if getattr(nodes, name) is not None:
+            out[key] = getattr(nodes, name)
     return out
 
 
@@ -173,6 +174,8 @@ def plan_launch(*, nproc: str | int = "auto", nnodes: int | str | None = None,
                                                   "master-addr")
     port = master_port if one_node else _deferred(engine, "master_port", master_port,
                                                   "master-port")
+    if port is None and not one_node and engine is not None:
+        port = engine.default_port  # SLURM's, from the job id: a flag may change it
     rendezvous = plan_rendezvous(nodes=(low, nodes), node_rank=given_rank, master_addr=addr,
                                  master_port=port, backend=rdzv_backend, endpoint=rdzv_endpoint,
                                  engine=engine, default_port=DEFAULT_MULTINODE_PORT,

@@ -51,6 +51,8 @@ class EngineNodes:
         rdzv_backend: an elastic job's rendezvous (``PET_RDZV_BACKEND``), e.g. ``"c10d"``.
         rdzv_endpoint: its ``host:port`` (``PET_RDZV_ENDPOINT``).
         max_restarts: restarts the engine allows (``PET_MAX_RESTARTS``).
+        default_port: a port for node 0 where the engine names none (SLURM: from the job id),
+            which a flag may change.
         nproc: processes per node the engine asks for (an int, or ``"auto"``/``"gpu"``/...).
         gpus: this node's GPUs as the engine counts them (a cap for ``--nproc auto``).
         cpus: this node's CPU cores as the engine counts them.
@@ -69,6 +71,7 @@ class EngineNodes:
     rdzv_backend: str | None = None
     rdzv_endpoint: str | None = None
     max_restarts: int | None = None
+    default_port: int | None = None
     said: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -124,12 +127,11 @@ def slurm_nodes(environ: Mapping[str, str]) -> EngineNodes | None:
         addr = first_host(nodelist)
         # Lightning's rule, as runtime/env.py uses it: two jobs on one node get other ports.
         port = 10000 + int(environ["SLURM_JOB_ID"]) % 10000
-        said.update(master_addr=f"SLURM_STEP_NODELIST={nodelist}",
-                    master_port=f"SLURM_JOB_ID={environ['SLURM_JOB_ID']}")
+        said.update(master_addr=f"SLURM_STEP_NODELIST={nodelist}")
     gpus = int(environ["SLURM_GPUS_ON_NODE"]) if environ.get("SLURM_GPUS_ON_NODE") else None
     cpus = int(environ["SLURM_CPUS_ON_NODE"]) if environ.get("SLURM_CPUS_ON_NODE") else None
     return EngineNodes(engine="slurm", nnodes=nodes, max_nodes=nodes, node_rank=node,
-                       master_addr=addr, master_port=port, gpus=gpus, cpus=cpus, said=said)
+                       master_addr=addr, default_port=port, gpus=gpus, cpus=cpus, said=said)
 
 
 def kubeflow_nodes(environ: Mapping[str, str]) -> EngineNodes | None:
