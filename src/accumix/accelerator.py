@@ -23,7 +23,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,13 +48,19 @@ from accumix.runtime.env import detect_launch_env, init_process_group, pick_devi
 from accumix.runtime.logging_setup import configure_logging
 from accumix.step import accum_steps, boundary, lifecycle, micro_step, object_setup
 from accumix.step.accumulation import AccumulationWindow
+from accumix.step.collectives import Collectives
 from accumix.step.compile import CompileSetting, resolve_compile, unwrap
 from accumix.step.run_state import RunState
 from accumix.step.run_view import RunView
 from accumix.strategies import Strategy, resolve_strategy
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
-class Accelerator(RunView):
+    from accumix.data.eval_loader import EvalLoader
+
+
+class Accelerator(RunView, Collectives):
     """Runs one plain PyTorch loop on a CPU, a GPU, many GPUs or many machines.
 
     Args:
@@ -157,6 +163,22 @@ class Accelerator(RunView):
         """
         return object_setup.setup(self._run, objects)
 
+    def setup_eval_loader(self, loader: DataLoader) -> EvalLoader:
+        """An evaluation loader that gives each sample to one rank: contiguous blocks of the
+        loader's samples, uneven, no padding (``acc.setup`` pads, as training needs). Sum a
+        metric's parts and ``acc.reduce(sums, "sum")`` after the loop, or ``acc.gather`` the
+        kept rows once after it (rank order is the loader's order): the one-process result on
+        any world size. Ranks may run different numbers of batches: no collective in the loop
+        (evaluate under ``torch.no_grad()``).
+
+        Raises:
+            ConfigError: a loader that cannot be split without repeating or losing samples
+                (an IterableDataset or a custom batch_sampler on several ranks, a weighted
+                sampler); at an epoch's start, unequal batch counts under a strategy whose
+                forward communicates (fsdp, hsdp, DeepSpeed stage 3).
+        """
+        return object_setup.setup_eval_loader(self._run, loader)
+
     def find_micro_batch_size(self, step: Callable[[Any], Any], make_batch: Callable[[int], Any],
                               *, headroom: float = DEFAULT_HEADROOM,
                               run_dir: str | os.PathLike[str] | None = None) -> int:
@@ -245,26 +267,7 @@ class Accelerator(RunView):
         """
         return boundary.clip_grad_norm(self._run, max_norm, norm_type, parameters)
 
-    # -- collectives and helpers ---------------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """A copy of ``tensor`` reduced over all ranks (``"mean"`` or ``"sum"``)."""
-        if reduction not in ("mean", "sum"):
-            raise ConfigError(f"reduction={reduction!r} is invalid; use 'mean' or 'sum'")
-        return self.strategy.all_reduce(tensor.detach().clone(), reduction)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along dim 0 (stacked if 0-dim), rank order."""
-        parts = self.strategy.all_gather(tensor.detach())
-        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
-
-    def barrier(self) -> None:
-        self.strategy.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
-
+    # -- helpers ------------------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper)."""
         return unwrap(self._run.strategy, model)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from accumix.common.launch_env import LaunchEnv
     from accumix.common.micro_batch_search import MicroBatchChoice
+    from accumix.data.eval_loader import EvalLoader
     from accumix.data.loader import AcceleratedDataLoader
     from accumix.precision import Policy
     from accumix.runtime.fault import PreemptionHandler, Watchdog
@@ -67,6 +68,7 @@ class RunState:
     optimizers: list[AcceleratedOptimizer] = field(default_factory=list)
     schedulers: list[AcceleratedScheduler] = field(default_factory=list)
     loaders: list[AcceleratedDataLoader] = field(default_factory=list)
+    eval_loaders: list[EvalLoader] = field(default_factory=list)  # not checkpointed
     set_up: set[int] = field(default_factory=set)  # ids of the objects handed to setup
     # the step
     in_micro_step: bool = False

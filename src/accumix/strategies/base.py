@@ -44,6 +44,9 @@ class Strategy:
     # dtype. One that does not reduces them as they are (in the parameters' dtype): another
     # reduce dtype is refused at ``connect``, never silently ignored.
     honours_reduce_dtype = False
+    # Whether the model's forward runs collectives (parameters gathered where they are used):
+    # then every rank must run as many forwards, in an evaluation loop too.
+    forward_collectives = False
 
     def __init__(self) -> None:
         self.launch = LaunchEnv()
