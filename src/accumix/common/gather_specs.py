@@ -80,7 +80,7 @@ def check_specs(every: Sequence[Sequence[LeafSpec]], what: str) -> None:
                               "convert it to a tensor")
     paths = [[spec.path for spec in specs] for specs in every]
     if any(p != paths[0] for p in paths):
-        listed = ", ".join(f"rank {r} {p}" for r, p in enumerate(paths))
+        listed = ", ".join(f"rank {r} {' '.join(p) or 'a tensor'}" for r, p in enumerate(paths))
         raise ConfigError(f"{what} got different nestings on the ranks: {listed}; give every "
                           "rank the same keys and lengths")
     for index, spec in enumerate(every[0]):

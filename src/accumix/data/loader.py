@@ -274,7 +274,11 @@ class AcceleratedDataLoader:
                 rows = None
             self._yielded = (id(out), rows)
             self.place = self._place_of(rows)
-            yield out
+            try:
+                yield out
+            except GeneratorExit:  # the loop was left early: no batch of it is current
+                self.place = None
+                raise
             if is_last:
                 self.place = None  # no batch of this loader is current any more
                 # The last batch is used: the hook runs before the user's next iter() draws

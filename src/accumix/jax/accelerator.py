@@ -34,7 +34,7 @@ from accumix.common.micro_batch_search import (
     parse_memory_limit,
 )
 from accumix.errors import ConfigError
-from accumix.jax import checkpoint, distributed
+from accumix.jax import checkpoint, distributed, process_gather
 from accumix.jax.data import Window, WindowLoader, make_window
 from accumix.jax.loader import checked_loader, window_loader
 from accumix.jax.loss_scale import LossScaleRule
@@ -214,6 +214,13 @@ class Accelerator:
         """``print`` on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs)
+
+    def gather(self, data: Any) -> Any:
+        """Every process's rows (a pytree of numpy or process-local arrays) concatenated along
+        dim 0 in process order, 0-dim leaves stacked, as numpy arrays; the first dimension may
+        differ between processes, nothing else (``ConfigError`` on every process, naming each
+        one's shape). Collective."""
+        return process_gather.gather(data)
 
     def _derive_steps(self, micro_batch_size: int | None) -> int | None:
         steps, global_batch, _ = self._batch_sizes

@@ -80,7 +80,7 @@ def setup(run: RunState, objects: tuple[Any, ...]) -> Any:
     for obj in objects:
         if is_scheduler(obj):
             result[id(obj)] = _wrap_scheduler(run, obj)
-    run.set_up.update(id(o) for o in objects)
+    run.set_up.update((id(o), o) for o in objects)
     out = tuple(result[id(o)] for o in objects)
     return out[0] if len(out) == 1 else out
 
@@ -173,7 +173,7 @@ def setup_eval_loader(run: RunState, loader: DataLoader) -> EvalLoader:
     wrapped = EvalLoader(loader, rank=run.launch.rank, world_size=run.strategy.dp_world_size,
                          device=run.device, forward_collectives=forward_collectives)
     run.eval_loaders.append(wrapped)
-    run.set_up.add(id(loader))
+    run.set_up[id(loader)] = loader
     return wrapped
 
 

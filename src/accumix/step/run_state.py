@@ -69,7 +69,9 @@ class RunState:
     schedulers: list[AcceleratedScheduler] = field(default_factory=list)
     loaders: list[AcceleratedDataLoader] = field(default_factory=list)
     eval_loaders: list[EvalLoader] = field(default_factory=list)  # not checkpointed
-    set_up: set[int] = field(default_factory=set)  # ids of the objects handed to setup
+    # The objects handed to setup, by id; held, so that no new object can take a freed one's id
+    # (``train = acc.setup(train)`` frees the user's DataLoader; the next model may reuse it).
+    set_up: dict[int, object] = field(default_factory=dict)
     # the step
     in_micro_step: bool = False
     micro_step_models: tuple[nn.Module, ...] = ()  # accumulate()'s models; (): every model
