@@ -89,7 +89,9 @@ def run(hparams: argparse.Namespace) -> dict[str, Any]:
         with torch.no_grad():
             for data, target in test_loader:
                 output = model(data)
-                sums += torch.stack([F.nll_loss(output, target, reduction="sum").double(),
+                # float64 sums: the order of the additions (per rank, then over ranks) does
+                # not show in the result
+                sums += torch.stack([F.nll_loss(output.double(), target, reduction="sum"),
                                      (output.argmax(1) == target).sum().double(),
                                      torch.tensor(float(len(target)), dtype=torch.float64,
                                                   device=acc.device)])

@@ -37,10 +37,12 @@ from accumix.testing import free_port
 from tests.distributed.shared_spawn import shared_result
 
 ROOT = Path(__file__).resolve().parents[2]
-NLP_ARGS = ["--train-size", "100", "--batch-size", "8", "--grad-accum", "3", "--eval-size",
-            "131", "--eval-batch-size", "16", "--epochs", "3", "--warmup-steps", "2",
-            "--checkpointing-steps", "epoch", "--with-tracking"]
-IMAGE_ARGS = ["--train-size", "120", "--test-size", "131", "--batch-size", "16", "--epochs",
+# 100 samples a rank in batches of 8: windows of 3, 3, 3, 3 and 1 micro-batches an epoch (the
+# last batch holds 4); 131 evaluation samples in batches of 16: the last padded with one repeat.
+NLP_ARGS = ["--train-size", "200", "--batch-size", "8", "--grad-accum", "3", "--lr", "5e-2",
+            "--eval-size", "131", "--eval-batch-size", "16", "--epochs", "3",
+            "--warmup-steps", "2", "--checkpointing-steps", "epoch", "--with-tracking"]
+IMAGE_ARGS = ["--train-size", "240", "--test-size", "131", "--batch-size", "16", "--epochs",
               "2", "--log-interval", "1000"]
 # The killed attempt: the example from its command line; its TensorBoard logger (the last of
 # the three) SIGKILLs the process once it has logged epoch 1, before that epoch's checkpoint.
@@ -155,7 +157,7 @@ def image_reference(image: ModuleType) -> tuple[dict[str, torch.Tensor], list[di
         with torch.no_grad():
             for data, target in DataLoader(test, batch_size=args.test_size):
                 output = model(data)
-                loss_sum += F.nll_loss(output, target, reduction="sum").double().item()
+                loss_sum += F.nll_loss(output.double(), target, reduction="sum").item()
                 correct += int((output.argmax(1) == target).sum())
         history.append({"epoch": epoch, "test_loss": loss_sum / len(test),
                         "accuracy": correct / len(test), "tested": len(test)})
@@ -182,7 +184,8 @@ def _job(tmp: Path, port: int) -> dict[str, Any]:
     result["nlp"] = {
         "diff": max(float((resumed["params"][k] - params[k]).abs().max()) for k in params),
         "metrics": resumed["metrics"], "rows": resumed["rows"], "losses": losses,
-        "params": resumed["params"]}
+        # lists: tensors through the spawn's queue would need the sender alive
+        "params": {k: v.tolist() for k, v in resumed["params"].items()}}
     dist.barrier()  # rank 0 has closed its files
     if rank == 0:
         with (out / "metrics.csv").open(newline="") as f:
@@ -217,13 +220,13 @@ def test_nlp_example_resumes_after_a_kill_within_1e6_of_ddp(
     # The resumed run's accuracy and F1 are the one-process values from its weights.
     nlp = example("nlp_classification")
     model = nlp.Classifier()
-    model.load_state_dict(ranks[0]["nlp"]["params"])
+    model.load_state_dict({k: torch.tensor(v) for k, v in ranks[0]["nlp"]["params"].items()})
     tokens, mask, labels = nlp.make_sentences(131, seed=2).tensors
     with torch.no_grad():
         accuracy, f1 = nlp.accuracy_f1(model(tokens, mask).argmax(-1), labels)
     last = ranks[0]["nlp"]["metrics"][-1]
     assert (last["accuracy"], last["f1"]) == (accuracy, f1)
-    assert 0.5 < accuracy < 1 and 0 < f1 < 1
+    assert 0.6 < accuracy < 1 and 0.4 < f1 < 1  # it learned, and the checks can tell
 
 
 def test_nlp_example_logs_rank_0s_rows_once_per_epoch_across_the_kill(
@@ -260,4 +263,4 @@ def test_image_example_is_bitwise_plain_ddp_with_exact_test_metrics(
             assert (got["epoch"], got["tested"], got["accuracy"]) == (
                 want["epoch"], want["tested"], want["accuracy"])
             assert abs(got["test_loss"] - want["test_loss"]) < 1e-12
-        assert 0.1 < image["history"][-1]["accuracy"] < 1
+        assert 0 < image["history"][-1]["accuracy"] < 1

@@ -117,7 +117,7 @@ class EvalLoader:
         self.place: BatchPlace | None = None
         if isinstance(loader.dataset, IterableDataset) or not loader.batch_size:
             if world_size > 1:
-                kind = (f"an {type(loader.dataset).__name__}" if isinstance(
+                kind = (f"an IterableDataset ({type(loader.dataset).__name__})" if isinstance(
                     loader.dataset, IterableDataset) else "a custom batch_sampler")
                 raise ConfigError(
                     f"acc.setup_eval_loader cannot split a DataLoader with {kind} over "
