@@ -120,6 +120,20 @@ def accumix_checks() -> None:
            batches(acc.setup(DataLoader(TensorDataset(torch.arange(7)), batch_size=2))))
     report("accumix.batches(5 samples, batch 2)",
            batches(acc.setup(DataLoader(TensorDataset(torch.arange(5)), batch_size=2))))
+    # The one-line changes for Accelerate's batches (docs/guides/migrating.md, items 4 and 5).
+    from torch.utils.data import ConcatDataset, Subset
+
+    five = TensorDataset(torch.arange(5))
+    padded = ConcatDataset([five, Subset(five, range(-len(five) % (2 * acc.world_size)))])
+    report("accumix.batches(5 samples padded with its first, batch 2)",
+           batches(acc.setup(DataLoader(padded, batch_size=2))))
+    eight, b, w = TensorDataset(torch.arange(8)), 2, acc.world_size
+    blocked = Subset(eight, [g * b * w + r * b + i for g in range(len(eight) // (b * w))
+                             for i in range(b) for r in range(w)])
+    report("accumix.batches(8 samples reordered for blocks, batch 2)",
+           batches(acc.setup(DataLoader(blocked, batch_size=2))))
+    report("accelerate-like blocks expected for 8 samples", "rank 0 [[0, 1], [4, 5]], "
+           "rank 1 [[2, 3], [6, 7]]")
     model = nn.Linear(1, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     f = lambda s: 1.0 + s  # noqa: E731 - the schedule's factor
