@@ -63,9 +63,19 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str], keep_last: int | 
                before_publish: Callable[[Path], None] | None = None) -> Path:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
-    Collective. See ``Accelerator.save_state``. ``before_publish(tmp)`` (every rank) writes more
-    files into the temporary step directory: they are listed in its manifest and published with
-    it (the Trainer's ``on_write_checkpoint``).
+    Collective. ``acc.save_state`` calls it; see ``Accelerator.save_state``.
+
+    Args:
+        run: the Accelerator's run state (what it set up, its counters and strategy).
+        run_dir: the run directory.
+        keep_last: delete all but the newest N step directories after publishing.
+        extra_state: a JSON-able dict stored in ``meta.json`` (``extra_state(step_dir)``).
+        before_publish: ``before_publish(tmp)`` (every rank) writes more files into the
+            temporary step directory: they are listed in its manifest and published with it
+            (the Trainer's ``on_write_checkpoint``).
+
+    Returns:
+        The published step directory.
     """
     _check_between_windows(run, "save_state")
     if extra_state is not None:
@@ -174,7 +184,16 @@ def _scheduler_states(run: RunState) -> list[dict[str, Any]]:
 
 # -- load ------------------------------------------------------------------------------------
 def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True) -> Path:
-    """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
+    """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``.
+
+    Args:
+        run: the Accelerator's run state.
+        path: a run directory (its ``latest``) or one step directory.
+        strict: a model must have exactly the checkpoint's keys (False: the keys both have).
+
+    Returns:
+        The step directory loaded.
+    """
     _check_between_windows(run, "load_state")
     window_end.close_window(run)  # nothing of the last window applies to the loaded state
     step_dir: Path | None = None

@@ -39,10 +39,20 @@ class MetricLogger:
     def log_params(self, params: Mapping[str, Any], *,
                    tags: Mapping[str, str] | None = None) -> None:
         """The run's configuration and derived facts, once after ``open`` (trackers keep them;
-        the file loggers do not)."""
+        the file loggers do not).
+
+        Args:
+            params: names and plain values (the resolved config, ``world_size``,
+                ``grad_accum_steps``, ``dtype_*``, ...).
+            tags: short labels (``job``).
+        """
 
     def log(self, row: dict[str, Any]) -> None:
-        """Writes one row (keys: column names; None for a missing value)."""
+        """Writes one row.
+
+        Args:
+            row: column names to values (``step``, ``loss``, ...); None for a missing value.
+        """
 
     def close(self) -> None:
         """Flushes and closes."""
@@ -112,7 +122,11 @@ class CSVLogger(MetricLogger):
 
 
 class JSONLLogger(MetricLogger):
-    """``run_dir/metrics.jsonl``: one JSON object per optimizer step (NaN written as "nan")."""
+    """``run_dir/metrics.jsonl``: one JSON object per optimizer step (NaN written as "nan").
+
+    Args:
+        filename: the file's name inside the run directory.
+    """
 
     def __init__(self, filename: str = "metrics.jsonl") -> None:
         self.filename = filename
@@ -174,6 +188,9 @@ def tensorboard_available() -> bool:
 
 class TensorBoardLogger(MetricLogger):
     """Scalars into ``run_dir/tensorboard/`` (``pip install 'accumix[tensorboard]'``).
+
+    Args:
+        subdir: the directory inside the run directory that holds the event files.
 
     Raises:
         ConfigError: tensorboard is not installed.
