@@ -2,7 +2,8 @@
 
 ``readme`` (the home page is README.md), ``cli`` (the command line, from its parser),
 ``train-config`` (the keys of ``accumix train``, from the config dataclasses) and
-``api-index`` (every public name). The generators are ``generate.py`` beside this file.
+``api-index`` (every public name), and ``output ARGS`` (what ``accumix ARGS`` prints, run at
+the build). The generators are ``generate.py`` beside this file.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
-_MARKER = re.compile(r"^<!-- accumix:([\w-]+) -->$", re.M)
+_MARKER = re.compile(r"^<!-- accumix:([\w-]+)(?: (.+?))? -->$", re.M)
 
 
 def _generate() -> Any:
@@ -46,8 +47,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     }
 
     def fill(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in makers:
+        name, arguments = match.group(1), match.group(2)
+        if name == "output" and arguments:
+            return generate.command_output(arguments)
+        if name not in makers or arguments:
             raise ValueError(f"{page.file.src_path}: unknown marker accumix:{name}; "
                              f"known: {', '.join(makers)}")
         return makers[name]()

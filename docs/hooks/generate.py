@@ -230,11 +230,15 @@ DIRECTIVE = re.compile(r"^::: ([\w.]+)", re.M)
 
 
 def documented_paths(docs: Path = DOCS) -> dict[str, str]:
-    """``{object path: page}`` of every ``::: path`` directive in the reference pages."""
+    """``{object path: page}`` of every ``::: path`` directive in the reference pages, each page
+    relative to ``reference/api/`` (where the index is)."""
+    import os
+
     found = {}
-    for page in sorted((docs / "reference" / "api").glob("*.md")):
+    api = docs / "reference" / "api"
+    for page in sorted((docs / "reference").rglob("*.md")):
         for path in DIRECTIVE.findall(page.read_text()):
-            found.setdefault(path, page.name)
+            found.setdefault(path, os.path.relpath(page, api))
     return found
 
 
@@ -272,6 +276,26 @@ def api_index_markdown(docs: Path = DOCS) -> str:
         out += ["", "## Not yet on a themed page", ""]
         out += [f"::: {path}\n" for path in dict.fromkeys(undocumented)]
     return "\n".join(out).lstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# A command's output
+
+
+def command_output(arguments: str) -> str:
+    """What ``accumix <arguments>`` prints, run in this process, as a text block."""
+    import contextlib
+    import io
+    import shlex
+
+    from accumix.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(shlex.split(arguments))
+    if status != 0:
+        raise RuntimeError(f"accumix {arguments} exited {status}: {err.getvalue()[-2000:]}")
+    return f"```text\n$ accumix {arguments}\n{out.getvalue().rstrip()}\n```\n"
 
 
 # ----------------------------------------------------------------------------------------------

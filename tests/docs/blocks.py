@@ -13,7 +13,8 @@ The conventions (the docs' contributors' guide, ``docs/contributing-docs.md``, s
   ``accumix <command>`` runs in process (``launch`` as a real process); any other line runs in
   a shell; a trailing ``&`` runs it in the background until a ``wait`` line; ``make`` lines
   are left out (the project's own entry points: CI runs them). Every command must exit 0.
-  ``accumix train`` runs shortened (``SHORT``: 4 steps of a one-layer model, one process).
+  ``accumix train`` runs shortened (``SHORT``: 4 steps of a one-layer model, one process);
+  a ``--master-port N`` becomes a free port (the same for the whole page).
 * ```` ```text test ````: each ``$ accumix ...`` line is run and must fail with exit status 2
   and the line below it on stderr.
 * Any other block (``bash`` without ``test``, ``yaml`` without a file name, ``text``) is not run.
