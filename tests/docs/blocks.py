@@ -10,8 +10,8 @@ The conventions (the docs' contributors' guide, ``docs/contributing-docs.md``, s
   written under that name before the page's commands run. A file that no command names is run
   at the end, as ``python <name>.py`` would (in process, ``__name__ == "__main__"``).
 * ```` ```bash test ```` (or ``sh test``): each line is a command, run in the page's directory.
-  ``accumix <command>`` runs in process (``launch`` as a real process); any other line runs in
-  a shell; a trailing ``&`` runs it in the background until a ``wait`` line; ``make`` lines
+  ``accumix <command>`` runs in process (``launch`` as a real process), and so does
+  ``python <name>.py`` for a file of the page; any other line runs in a shell; a trailing ``&`` runs it in the background until a ``wait`` line; ``make`` lines
   are left out (the project's own entry points: CI runs them). Every command must exit 0.
   ``accumix train`` runs shortened (``SHORT``: 4 steps of a one-layer model, one process);
   a ``--master-port N`` becomes a free port (the same for the whole page).
@@ -83,6 +83,24 @@ def parse(text: str) -> list[Block]:
     return blocks
 
 
+def _google_sections_dedented(doc: str) -> str:
+    """A Google-style docstring with each section's body dedented, as mkdocstrings renders it
+    (an ``Example:`` section's fence is indented in the docstring, not in the page)."""
+    import textwrap
+
+    out: list[str] = []
+    body: list[str] = []
+    for line in [*doc.splitlines(), "End:"]:
+        if body and (not line.startswith(" ") and line.strip()):
+            out.extend(textwrap.dedent("\n".join(body)).splitlines())
+            body = []
+        if body or (line.startswith(" ") and out and re.match(r"^\w[\w ]*:$", out[-1])):
+            body.append(line)
+        else:
+            out.append(line)
+    return "\n".join(out[:-1])
+
+
 def pages() -> list[Path]:
     """README.md and every page under docs/."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -108,7 +126,7 @@ def docstring_sources() -> list[Source]:
                                                           or isinstance(v, property))]
             for label, member in members:
                 doc = inspect.getdoc(member) if not isinstance(member, (str, tuple)) else None
-                blocks = parse(doc or "")
+                blocks = parse(_google_sections_dedented(doc or ""))
                 key = f"{getattr(obj, '__module__', module_name)}.{label}"
                 if blocks and key not in found:
                     found[key] = Source(f"docstring of {key}", blocks)
