@@ -2,7 +2,8 @@
 
 ``readme`` (the home page is README.md), ``cli`` (the command line, from its parser),
 ``train-config`` (the keys of ``accumix train``, from the config dataclasses) and
-``api-index`` (every public name), and ``output ARGS`` (what ``accumix ARGS`` prints, run at
+``api-index`` (every public name), ``benchmark-plots`` (pictures of BENCHMARKS.md's tables),
+and ``output ARGS`` (what ``accumix ARGS`` prints, run at
 the build). The generators are ``generate.py`` beside this file.
 """
 
@@ -44,6 +45,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         "cli": generate.cli_markdown,
         "train-config": generate.train_config_markdown,
         "api-index": generate.api_index_markdown,
+        "benchmark-plots": lambda: generate.benchmark_plots(
+            (generate.ROOT / "BENCHMARKS.md").read_text()),
     }
 
     def fill(match: re.Match[str]) -> str:

@@ -118,3 +118,5 @@ def test_the_benchmarks_page_includes_benchmarks_md(site: Path) -> None:
     page = _visible(site / "benchmarks/index.html")
     missing = [h for h in headings if h.split("`")[0][:40] not in page]
     assert len(headings) > 10 and missing == []
+    pictures = _article(site / "benchmarks/index.html")
+    assert pictures.count("<svg") == 3 and "hsdp (full)" in pictures  # drawn from the tables
