@@ -314,12 +314,13 @@ def benchmark_table(text: str, heading: str, nth: int = 0) -> list[dict[str, str
     if len(tables) <= nth:
         raise ValueError(f"BENCHMARKS.md: no table {nth} under a heading starting {heading!r}; "
                          "docs/hooks/generate.py's benchmark_plots() draws from it")
-    lines = [line for line in tables[nth].strip().splitlines() if not re.match(r"^\|[-| ]+\|$", line)]
+    rule = re.compile(r"^\|[-| ]+\|$")  # the header's underline
+    lines = [line for line in tables[nth].strip().splitlines() if not rule.match(line)]
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
     header: list[str] = []
     for name in cells[0]:
         header.append(name if name not in header else f"{name} #{header.count(name) + 1}")
-    return [dict(zip(header, row)) for row in cells[1:]]
+    return [dict(zip(header, row, strict=True)) for row in cells[1:]]
 
 
 def _number(cell: str) -> float:

@@ -1,6 +1,6 @@
 """The code blocks of README.md, the docs pages and the public docstrings, and how each is run.
 
-The conventions (the docs' contributors' guide, ``docs/contributing-docs.md``, says the same):
+The conventions (``docs/contributing/docs.md`` says the same for the docs' writers):
 
 * ```` ```python ````: run, in process, in a fresh namespace, with a scratch directory as the
   working directory (the page's: a later block sees the files an earlier one wrote).
@@ -11,8 +11,9 @@ The conventions (the docs' contributors' guide, ``docs/contributing-docs.md``, s
   at the end, as ``python <name>.py`` would (in process, ``__name__ == "__main__"``).
 * ```` ```bash test ```` (or ``sh test``): each line is a command, run in the page's directory.
   ``accumix <command>`` runs in process (``launch`` as a real process), and so does
-  ``python <name>.py`` for a file of the page; any other line runs in a shell; a trailing ``&`` runs it in the background until a ``wait`` line; ``make`` lines
-  are left out (the project's own entry points: CI runs them). Every command must exit 0.
+  ``python <name>.py`` for a file of the page; any other line runs in a shell; a trailing
+  ``&`` runs it in the background until a ``wait`` line; ``make`` lines are left out (the
+  project's own entry points: CI runs them). Every command must exit 0.
   ``accumix train`` runs shortened (``SHORT``: 4 steps of a one-layer model, one process);
   a ``--master-port N`` becomes a free port (the same for the whole page).
 * ```` ```text test ````: each ``$ accumix ...`` line is run and must fail with exit status 2
