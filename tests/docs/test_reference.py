@@ -180,3 +180,44 @@ def test_every_error_the_troubleshooting_page_quotes_is_raised_in_the_code() -> 
         if sum(map(len, long)) < 20 or not all(p in code for p in long):
             missing.append(message)
     assert missing == []
+
+
+# The classes users call methods of (or override, for Callback and MetricLogger). The
+# strategies' methods are the interface for writing a strategy and are documented on
+# ``Strategy`` as a whole, not argument by argument.
+USER_FACING = ("accumix.Accelerator", "accumix.jax.Accelerator", "accumix.Trainer",
+               "accumix.Callback", "accumix.MetricLogger", "accumix.CSVLogger",
+               "accumix.JSONLLogger", "accumix.TensorBoardLogger", "accumix.MLflowLogger",
+               "accumix.WandbLogger", "accumix.ClearMLLogger", "accumix.DynamicLossScale",
+               "accumix.trainer.WeightAveraging", "accumix.jax.TrainStep",
+               "accumix.testing.CollectiveLog")
+
+
+def _method_doc(cls: type, name: str) -> str:
+    """The docstrings of ``cls.name`` and of the base methods it overrides (a base documents
+    the interface's arguments: ``MetricLogger.open``'s are every logger's)."""
+    docs = [getattr(vars(base).get(name), "__doc__", None) for base in cls.__mro__]
+    return "\n\n".join(inspect.cleandoc(d) for d in docs if d)
+
+
+def undocumented_arguments() -> list[str]:
+    missing = []
+    for dotted in USER_FACING:
+        module_name, _, name = dotted.rpartition(".")
+        cls = getattr(importlib.import_module(module_name), name)
+        for member, value in public_members(cls).items():
+            if isinstance(value, property):
+                continue
+            doc = _method_doc(cls, member)
+            described = generate.docstring_args(doc) if doc else {}
+            for param in inspect.signature(value).parameters:
+                if param in ("self", "cls", "trainer", "args", "kwargs"):
+                    continue  # a Callback event's ``trainer`` is the Trainer calling it
+                if param not in described and f"``{param}``" not in doc:
+                    missing.append(f"{dotted}.{member}({param})")
+    return missing
+
+
+def test_user_facing_methods_document_each_argument() -> None:
+    """Each argument of the methods users call is in ``Args:`` or named in the text."""
+    assert undocumented_arguments() == []
