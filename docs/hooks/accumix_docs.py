@@ -4,7 +4,7 @@
 ``train-config`` (the keys of ``accumix train``, from the config dataclasses) and
 ``api-index`` (every public name), ``benchmark-plots`` (pictures of BENCHMARKS.md's tables),
 and ``output ARGS`` (what ``accumix ARGS`` prints, run at
-the build). The generators are ``generate.py`` beside this file.
+the build). The generators are ``generate.py`` and ``plots.py`` beside this file.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ _HERE = Path(__file__).resolve().parent
 _MARKER = re.compile(r"^<!-- accumix:([\w-]+)(?: (.+?))? -->$", re.M)
 
 
-def _generate() -> Any:
-    spec = importlib.util.spec_from_file_location("accumix_docs_generate", _HERE / "generate.py")
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"accumix_docs_{name}", _HERE / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -39,13 +39,13 @@ def on_config(config: Any) -> Any:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if "<!-- accumix:" not in markdown:
         return markdown
-    generate = _generate()
+    generate, plots = _load("generate"), _load("plots")
     makers = {
         "readme": lambda: generate.readme_for_site((generate.ROOT / "README.md").read_text()),
         "cli": generate.cli_markdown,
         "train-config": generate.train_config_markdown,
         "api-index": generate.api_index_markdown,
-        "benchmark-plots": lambda: generate.benchmark_plots(
+        "benchmark-plots": lambda: plots.benchmark_plots(
             (generate.ROOT / "BENCHMARKS.md").read_text()),
     }
 
