@@ -65,8 +65,8 @@ class Accelerator(RunView, Collectives):
     """Runs one plain PyTorch loop on a CPU, a GPU, many GPUs or many machines.
 
     Args:
-        strategy: ``"auto"``, ``"single"``, ``"ddp"`` (and the sharded words once installed), or
-            a ``Strategy`` object.
+        strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"``, ``"hsdp"``,
+            ``"deepspeed"``, or a ``Strategy`` object (``ax.FSDPStrategy(...)``).
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"bf16-true"``, ``"auto"``,
             or a ``Policy``.
         grad_accum_steps: micro-steps per optimizer step (int >= 1); None derives it from the
@@ -92,6 +92,26 @@ class Accelerator(RunView, Collectives):
 
     Raises:
         ConfigError: an unknown word, an impossible combination or batch sizes that don't divide.
+
+    Example:
+        ```python
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        import accumix as ax
+
+        data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        acc = ax.Accelerator(global_batch_size=16, micro_batch_size=4, seed=0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer, loader = acc.setup(model, optimizer, DataLoader(data, batch_size=4))
+        for x, y in loader:
+            with acc.accumulate():
+                acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+        assert (acc.grad_accum_steps, acc.optimizer_steps) == (4, 4)
+        ```
 
     Read-only state (``rank``, ``device``, ``optimizer_steps``, ...): ``step/run_view.py``.
     """
@@ -211,9 +231,19 @@ class Accelerator(RunView, Collectives):
 
     # -- the step ------------------------------------------------------------------------------
     def accumulate(self, *models: nn.Module) -> micro_step._MicroStep:
-        """One micro-step. Off the boundary, gradient communication is off for ``models``
-        (default: every set-up model); the last micro-step of a window (or of the epoch's data)
-        is the boundary, where ``sync_gradients`` is True."""
+        """One micro-step: ``with acc.accumulate(): ...`` around its forward, backward and steps.
+
+        Off the boundary, gradient communication is off; the last micro-step of a window (or
+        of the epoch's data) is the boundary, where ``sync_gradients`` is True and the
+        optimizer steps really step.
+
+        Args:
+            models: the models whose gradient communication this micro-step controls
+                (default: every set-up model).
+
+        Returns:
+            A context manager (enter it once per micro-step; micro-steps never nest).
+        """
         # The common call has no arguments: reuse one context (micro-steps never nest).
         return micro_step._MicroStep(self._run, models) if models else self._micro_step
 
@@ -270,7 +300,11 @@ class Accelerator(RunView, Collectives):
 
     # -- helpers ------------------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper)."""
+        """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper).
+
+        Args:
+            model: a set-up model (or a plain one, returned as it is).
+        """
         return unwrap(self._run.strategy, model)
 
     def save_model(self, directory: str | os.PathLike[str], model: nn.Module | None = None
@@ -279,6 +313,10 @@ class Accelerator(RunView, Collectives):
 
         Collective: every rank calls it; rank 0 writes. Keys are the unwrapped model's
         ``state_dict`` keys.
+
+        Args:
+            directory: created if needed.
+            model: the set-up model to write (default: the only one set up).
 
         Returns:
             The file's path.

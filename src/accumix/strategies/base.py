@@ -104,10 +104,12 @@ class Strategy:
     # -- world -------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        """The number of processes in the job."""
         return self.launch.world_size
 
     @property
     def rank(self) -> int:
+        """This process's rank in the job."""
         return self.launch.rank
 
     @property
@@ -285,6 +287,8 @@ class Strategy:
         return True
 
     def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
+        """Clears ``optimizer``'s gradients at the window's end (DeepSpeed's engine clears
+        its own inside its step)."""
         optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- state ---------------------------------------------------------------------------------
@@ -363,6 +367,7 @@ class Strategy:
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order (collective)."""
         if not self._distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
@@ -370,11 +375,13 @@ class Strategy:
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``tensor`` as rank ``src`` holds it, in place on every rank (collective)."""
         if self._distributed:
             dist.broadcast(tensor, src=src)
         return tensor
 
     def barrier(self) -> None:
+        """Waits until every rank has called it (collective)."""
         if self._distributed:
             dist.barrier()
 

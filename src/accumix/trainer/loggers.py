@@ -47,10 +47,20 @@ class MetricLogger:
     def log_params(self, params: Mapping[str, Any], *,
                    tags: Mapping[str, str] | None = None) -> None:
         """The run's configuration and derived facts, once after ``open`` (trackers keep them;
-        the file loggers do not)."""
+        the file loggers do not).
+
+        Args:
+            params: names and plain values (the resolved config, ``world_size``,
+                ``grad_accum_steps``, ``dtype_*``, ...).
+            tags: short labels (``job``).
+        """
 
     def log(self, row: dict[str, Any]) -> None:
-        """Writes one row (keys: column names; None for a missing value)."""
+        """Writes one row.
+
+        Args:
+            row: column names to values (``step``, ``loss``, ...); None for a missing value.
+        """
 
     def close(self) -> None:
         """Flushes and closes."""
@@ -195,7 +205,11 @@ class CSVLogger(FileLogger):
 
 
 class JSONLLogger(FileLogger):
-    """``run_dir/metrics.jsonl``: one JSON object per optimizer step (NaN written as "nan")."""
+    """``run_dir/metrics.jsonl``: one JSON object per optimizer step (NaN written as "nan").
+
+    Args:
+        filename: the file's name inside the run directory.
+    """
 
     def __init__(self, filename: str = "metrics.jsonl") -> None:
         super().__init__()
@@ -262,6 +276,9 @@ class TensorBoardLogger(FileLogger):
     file per attempt, flushed each row (a killed job keeps every row it logged). A resumed
     attempt marks the steps after ``resume_step`` as purged: TensorBoard shows each step once.
     Steps are integers here (TensorBoard's ``global_step``).
+
+    Args:
+        subdir: the directory inside the run directory that holds the event files.
 
     Raises:
         ConfigError: tensorboard is not installed.

@@ -145,6 +145,9 @@ class TrackerLogger(MetricLogger):
         """Fails now, with the one line ``open`` would give, when the run could not be opened
         (for a launcher, before it starts any worker); creates no run.
 
+        Args:
+            run_dir: the run directory the job will use.
+
         Raises:
             ConfigError: the run directory or the tracking location cannot be used.
         """
