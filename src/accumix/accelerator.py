@@ -192,6 +192,9 @@ class Accelerator(RunView, Collectives):
         any world size. Ranks may run different numbers of batches: no collective in the loop
         (evaluate under ``torch.no_grad()``).
 
+        Args:
+            loader: the evaluation ``DataLoader`` (a plain one, not set up by ``acc.setup``).
+
         Raises:
             ConfigError: a loader that cannot be split without repeating or losing samples
                 (an IterableDataset or a custom batch_sampler on several ranks, a weighted

@@ -236,7 +236,11 @@ class Accelerator:
         """Every process's rows (a pytree of numpy or process-local arrays) concatenated along
         dim 0 in process order, 0-dim leaves stacked, as numpy arrays; the first dimension may
         differ between processes, nothing else (``ConfigError`` on every process, naming each
-        one's shape). Collective."""
+        one's shape). Collective.
+
+        Args:
+            data: this process's rows: an array or a pytree of them.
+        """
         return process_gather.gather(data)
 
     def _derive_steps(self, micro_batch_size: int | None) -> int | None:

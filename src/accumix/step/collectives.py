@@ -29,6 +29,10 @@ class Collectives:
         count) over ``acc.setup_eval_loader``'s loader, reduced with ``"sum"``, are the
         one-process values on any world size.
 
+        Args:
+            tensor: this rank's value.
+            reduction: ``"mean"`` or ``"sum"``.
+
         Raises:
             ConfigError: another reduction.
         """
@@ -42,6 +46,9 @@ class Collectives:
         ``data`` is a tensor or tensors nested in dicts, lists and tuples (the same nesting on
         every rank); the first dimension may differ between ranks (each is padded to the
         longest, gathered and trimmed: exact), the other dimensions and the dtype may not.
+
+        Args:
+            data: this rank's tensor, or its tensors nested in dicts, lists and tuples.
 
         Returns:
             ``data``'s nesting, each tensor replaced by the gathered one (on ``acc.device``).
@@ -64,6 +71,10 @@ class Collectives:
         dataset's without a shuffle), on any world size. For rows of a loader accumix did not
         shard (an IterableDataset) it is ``gather``.
 
+        Args:
+            data: this rank's rows of the current batch (a tensor or a nesting of them, as
+                ``gather`` takes).
+
         Raises:
             ConfigError: a tensor without one row per sample of the batch (on every rank), a
                 batch of ``acc.setup_eval_loader``'s loader (gather once after its loop), or
@@ -76,6 +87,11 @@ class Collectives:
         self._run.strategy.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
+        """``print`` on the main process only.
+
+        Args:
+            *args: what ``print`` takes.
+            **kwargs: what ``print`` takes (``sep``, ``end``, ``file``, ``flush``).
+        """
         if self._run.launch.rank == 0:
             print(*args, **kwargs)
