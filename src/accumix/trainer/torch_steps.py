@@ -20,7 +20,6 @@ import logging
 import math
 import signal
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -154,7 +153,7 @@ class TorchSteps:
         still are."""
         try:
             self._preemption = self.accelerator.handle_preemption(
-                trainer.run_dir, signals=trainer.preemption_signals or (signal.SIGTERM,),
+                trainer.checkpoint_dir, signals=trainer.preemption_signals or (signal.SIGTERM,),
                 keep_last=trainer.keep_checkpoints, exit=False,
                 save=trainer.save_for_preemption)
         except ConfigError as exc:
@@ -232,12 +231,18 @@ class TorchSteps:
         return evaluate(self.model, loader, self.val_step_fn, self.accelerator,
                         max_batches=max_batches, sharded=max_batches >= 0)
 
-    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
-             before_publish: Callable[[Path], None] | None = None) -> Path:
+    def save(self, run_dir: Any, keep_last: int | None, extra_state: dict[str, Any],
+             before_publish: Callable[[Any], None] | None = None, *,
+             background: bool = False) -> Any:
         # The callbacks' files are written before ``latest`` moves (a crash in between must
         # not publish a checkpoint without them).
         return self.accelerator.save_state(run_dir, keep_last=keep_last or None,
-                                           extra_state=extra_state, before_publish=before_publish)
+                                           extra_state=extra_state, before_publish=before_publish,
+                                           background=background)
 
-    def load(self, path: Path) -> None:
+    def wait_for_save(self) -> None:
+        """Waits for a background save in flight (its error, if it failed, is raised)."""
+        self.accelerator.wait_for_save()
+
+    def load(self, path: Any) -> None:
         self.accelerator.load_state(path)
