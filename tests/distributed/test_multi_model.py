@@ -1,8 +1,8 @@
 """Issue 15 on 2 ranks with ddp (gloo): the GAN orders, two models' own item counts and an LBFGS
 closure (on fsdp too) equal plain PyTorch on the gathered batch; fp16 item mode's first window
-does not overflow. Issue 20: overlapping optimizers (ddp), a model unused on the boundary micro-
-step (reduced once on ddp and zero1, refused on fsdp unless a zero loss reaches it there) and
-stepping after the block (ddp). Two forwards then two backward calls through one model in a
+does not overflow. Issue 20: overlapping optimizers (ddp), a model unused on the boundary
+micro-step (reduced once on ddp and zero1, refused on fsdp unless a zero loss reaches it there)
+and stepping after the block (ddp). Two forwards then two backward calls through one model in a
 micro-step (the GAN's D on real and fake; one model on two batches) on ddp and zero1, K=1 and
 K=2 with a short last window, both orders, both modes. One spawned job runs them all."""
 
