@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from accumix.common import preemption_report, worker_signals
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -323,6 +324,10 @@ class PreemptionHandler:
         self._requested = False
         self._checked_window = run.window.index
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        # The DataLoader workers this rank starts from now on outlive these signals when
+        # someone else sends them (the agent's killpg, the scheduler's): the save needs them.
+        worker_signals.guard(signals)
+        preemption_report.note_armed(run.rank)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._requested = True  # only a flag: the save needs every rank at the same boundary
@@ -344,6 +349,7 @@ class PreemptionHandler:
         if not self._agreed("the pre-emption check of acc.end()"):
             return False
         if self._run.window.micro_step:  # a checkpoint cannot hold half a window
+            self._requested = True  # agreed: the launcher hears that this stop saved nothing
             self.close()
             print(f"accumix: rank {self._run.rank} pre-empted inside an accumulation window at "
                   f"acc.end(); nothing saved", file=sys.stderr, flush=True)
@@ -358,6 +364,7 @@ class PreemptionHandler:
     def _save(self) -> bool:
         self.checkpoint = self._save_state(self.run_dir, self.keep_last)
         self.triggered = True
+        preemption_report.note_saved(self._run.rank, str(self.checkpoint))
         self.close()
         # one write: the ranks share the terminal, and print's separate newline interleaves
         sys.stderr.write(f"accumix: rank {self._run.rank} pre-empted; saved {self.checkpoint}\n")
@@ -366,9 +373,13 @@ class PreemptionHandler:
 
     def close(self) -> None:
         """Restores the signal handlers that were there before; the Accelerator stops asking
-        this handler at boundaries (no more agreement collectives)."""
+        this handler at boundaries (no more agreement collectives). Closed before any signal
+        (a replaced handler, ``acc.end()``), it tells the launcher it is no longer armed."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+        worker_signals.release(self._previous)
+        if self._previous and not self._requested:
+            preemption_report.note_disarmed(self._run.rank)
         self._previous = {}
         if self._run.preemption is self:
             self._run.preemption = None
