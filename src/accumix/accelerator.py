@@ -284,7 +284,9 @@ class Accelerator(RunView):
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None, *,
                    extra_state: dict[str, Any] | None = None,
-                   before_publish: Callable[[Path], None] | None = None) -> Path:
+                   before_publish: Callable[[Path], None] | None = None,
+                   metrics: dict[str, Any] | None = None,
+                   checkpoint_upload_mode: Any = "sync") -> Path:
         """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
 
         Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
@@ -303,17 +305,29 @@ class Accelerator(RunView):
             before_publish: ``before_publish(tmp_step_dir)``, on every rank, writes more files
                 into the step directory before it is published (listed in its manifest, so a
                 crash in between never publishes a checkpoint without them).
+            metrics: under Ray Train, reported with the checkpoint (``ray.train.report``: rank
+                0's are the checkpoint's metrics in Ray's result); JSON-safe numbers.
+            checkpoint_upload_mode: under Ray Train, ``"sync"`` (return once Ray holds the
+                checkpoint in its ``storage_path``) or ``"async"`` (Ray uploads behind the
+                loop), or Ray's ``CheckpointUploadMode``.
+
+        Under Ray Train every rank hands its share of the step directory's files to Ray
+        (``accumix.common.ray_checkpoint``); a worker Ray starts or restarts resumes from
+        Ray's copy where its ``run_dir`` lacks it.
 
         Returns:
             The step directory written.
 
         Raises:
             AccumixError: called inside an accumulation window.
-            ConfigError: ``extra_state`` is not JSON (nothing is written).
+            ConfigError: ``extra_state`` or ``metrics`` is not JSON, or an unknown upload
+                mode (nothing is written).
             CheckpointError: a rank failed to write (every rank raises it).
         """
         return checkpoint.save_state(self._run, run_dir, keep_last=keep_last,
-                                     extra_state=extra_state, before_publish=before_publish)
+                                     extra_state=extra_state, before_publish=before_publish,
+                                     metrics=metrics,
+                                     checkpoint_upload_mode=checkpoint_upload_mode)
 
     def load_state(self, path: str | os.PathLike[str], *, strict: bool = True) -> Path:
         """Restores a ``save_state`` checkpoint into what was set up; training then continues

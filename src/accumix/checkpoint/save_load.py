@@ -39,9 +39,11 @@ from accumix.checkpoint import meta as checkpoint_meta
 from accumix.checkpoint import rng_state
 from accumix.checkpoint.meta import FORMAT as FORMAT  # re-exported: where it was
 from accumix.checkpoint.plain_values import numpy_floats, plain
+from accumix.common import ray_checkpoint
 from accumix.common import run_dir as layout
 from accumix.common.batch_sizes import resumed_grad_accum_steps
-from accumix.common.run_dir import alternatives, latest_checkpoint, resolve
+from accumix.common.ray_checkpoint import latest_checkpoint
+from accumix.common.run_dir import alternatives, resolve
 from accumix.errors import AccumixError, CheckpointError, ConfigError
 from accumix.runtime import fault
 from accumix.step import accum_steps, window_end
@@ -60,16 +62,23 @@ SCHEDULERS = "schedulers.pt"
 # -- save ------------------------------------------------------------------------------------
 def save_state(run: RunState, run_dir: str | os.PathLike[str], keep_last: int | None = None,
                *, extra_state: dict[str, Any] | None = None,
-               before_publish: Callable[[Path], None] | None = None) -> Path:
+               before_publish: Callable[[Path], None] | None = None,
+               metrics: dict[str, Any] | None = None,
+               checkpoint_upload_mode: Any = "sync") -> Path:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
     Collective. See ``Accelerator.save_state``. ``before_publish(tmp)`` (every rank) writes more
     files into the temporary step directory: they are listed in its manifest and published with
-    it (the Trainer's ``on_write_checkpoint``).
+    it (the Trainer's ``on_write_checkpoint``). Under Ray Train the step directory is then
+    handed to Ray (``common/ray_checkpoint.py``) with ``metrics``, uploaded per
+    ``checkpoint_upload_mode``.
     """
     _check_between_windows(run, "save_state")
     if extra_state is not None:
         extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
+    if metrics is not None:
+        metrics = layout.json_state(metrics, "save_state(metrics=...)")
+    upload = ray_checkpoint.upload_mode(checkpoint_upload_mode)
     window_end.close_window(run, window_over=False)  # the scale the next window uses
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
@@ -110,6 +119,9 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str], keep_last: int | 
         layout.publish(run_dir, tmp, final, meta, keep_last)
 
     _agree(run, publish if rank == 0 else None, f"publishing {final}")
+    if ray_checkpoint.active():
+        ray_checkpoint.hand_over(run_dir, final, rank=rank, gather=strategy.all_gather_object,
+                                 metrics=metrics, mode=upload)
     return final
 
 

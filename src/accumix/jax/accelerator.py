@@ -376,7 +376,9 @@ class Accelerator:
     def save_state(self, run_dir: str | os.PathLike[str], state: TrainState,
                    keep_last: int | None = None, *,
                    extra_state: dict[str, Any] | None = None,
-                   before_publish: Callable[[Path], None] | None = None) -> Path:
+                   before_publish: Callable[[Path], None] | None = None,
+                   metrics: dict[str, Any] | None = None,
+                   checkpoint_upload_mode: Any = "sync") -> Path:
         """Writes ``run_dir/step-N`` (N = ``state.step``) atomically, then ``run_dir/latest``.
 
         The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
@@ -384,7 +386,9 @@ class Accelerator:
         beside it; ``extra_state`` (JSON-safe, process 0's) goes into ``meta.json``, read back
         with ``accumix.checkpoint.extra_state``; ``before_publish(tmp_step_dir)`` (every process)
         writes more files into the step directory before it is published. Collective: every
-        process calls it, between windows.
+        process calls it, between windows. Under Ray Train the step directory goes to Ray with
+        ``metrics`` (``checkpoint_upload_mode`` ``"sync"`` or ``"async"``), as on the torch
+        side (``accumix.Accelerator.save_state``).
 
         Raises:
             LossScaleError: fp16 overflowed at the floor (nothing is written).
@@ -392,7 +396,8 @@ class Accelerator:
         """
         self.check(state)
         return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last,
-                               extra_state=extra_state, before_publish=before_publish)
+                               extra_state=extra_state, before_publish=before_publish,
+                               metrics=metrics, checkpoint_upload_mode=checkpoint_upload_mode)
 
     def load_state(self, path: str | os.PathLike[str], state: TrainState) -> TrainState:
         """The state saved at ``path`` (a run directory's latest, or one step directory),

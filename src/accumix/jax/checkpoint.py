@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from accumix.common import ray_checkpoint
 from accumix.common import run_dir as layout
 from accumix.errors import CheckpointError, ConfigError
 from accumix.jax.state import TrainState
@@ -49,15 +50,20 @@ def _checkpointer() -> Any:
 
 def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int | None,
          extra_state: dict[str, Any] | None = None,
-         before_publish: Callable[[Path], None] | None = None) -> Path:
+         before_publish: Callable[[Path], None] | None = None,
+         metrics: dict[str, Any] | None = None, checkpoint_upload_mode: Any = "sync") -> Path:
     """Writes ``run_dir/step-<state.step>`` atomically, then ``latest``. Collective.
     ``before_publish(tmp)`` (every process) writes more files into the temporary step directory,
-    published with it."""
+    published with it. Under Ray Train the step directory is then handed to Ray
+    (``common/ray_checkpoint.py``)."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
     if extra_state is not None:
         extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
+    if metrics is not None:
+        metrics = layout.json_state(metrics, "save_state(metrics=...)")
+    upload = ray_checkpoint.upload_mode(checkpoint_upload_mode)
     run_dir = run_dir.absolute()
     step = int(jax.device_get(state.step))
     final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"
@@ -89,7 +95,23 @@ def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int |
             meta["extra_state"] = extra_state
         layout.publish(run_dir, tmp, final, meta, keep_last)
     _sync(f"accumix-save-published-{step}")
+    if ray_checkpoint.active():
+        ray_checkpoint.hand_over(run_dir, final, rank=jax.process_index(),
+                                 gather=all_gather_json, metrics=metrics, mode=upload)
     return final
+
+
+def all_gather_json(obj: Any) -> list[Any]:
+    """Every process's ``obj`` (JSON: numbers, strings, lists, dicts, None), process order;
+    collective."""
+    if jax.process_count() == 1:
+        return [obj]
+    mine = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray([mine.size], np.int32))
+    longest = int(np.max(sizes))
+    rows = multihost_utils.process_allgather(np.pad(mine, (0, longest - mine.size)))
+    return [json.loads(bytes(np.asarray(row)[:int(size)]).decode())
+            for row, size in zip(rows, np.asarray(sizes).reshape(-1), strict=True)]
 
 
 def load(acc: Accelerator, path: Path, state: TrainState) -> TrainState:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from accumix.common import run_dir as layout
+from accumix.common.ray_checkpoint import latest_checkpoint
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 
 if TYPE_CHECKING:
@@ -37,10 +38,14 @@ def load_checkpoint(trainer: Trainer, path: str | Path, *, missing_ok: bool) -> 
     """``trainer.load_checkpoint(path)``: collective; None when ``missing_ok`` and nothing is
     there."""
     path = Path(path)
-    if not (path / "latest").exists() and not path.name.startswith("step-"):
+    # A step directory is any with meta.json (Ray's checkpoint directories too); a run
+    # directory's latest is Ray's checkpoint where Ray (re)started this worker.
+    if not ((path / layout.META).is_file() or path.name.startswith("step-")
+            or latest_checkpoint(path) is not None):
         if missing_ok:
             return None
-        raise ConfigError(f"no checkpoint at {str(path)!r}: it has no 'latest'")
+        raise ConfigError(f"no checkpoint at {str(path)!r}: it has neither 'latest' nor "
+                          f"'{layout.META}'")
     trainer.steps.load(path)
     trainer.step = trainer.steps.optimizer_steps
     trainer._saved_step, trainer._saved_path = trainer.step, layout.resolve(path)

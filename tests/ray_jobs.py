@@ -1,0 +1,147 @@
+"""What every Ray Train worker runs in tests/distributed/test_ray_train.py: several cases per
+``fit``, chained across one restart by Ray (a worker group start costs seconds); each attempt's
+facts go to ``config["out"]/a<attempt>-r<rank>.json`` for the test to check.
+
+``torch_cases`` (``TorchTrainer``, 2 workers, ``FailureConfig(max_failures=1)``), each worker
+with its own run directories (no shared filesystem):
+
+* attempt 0: where accumix thinks it runs; ``examples/ray_train.py``'s loop without saves under
+  ddp and fsdp (the references); the Trainer ``T`` on the same job, saving every step with Ray's
+  ASYNC upload, stopped after its save at step 2 once Ray holds it; the example's loop ``L``
+  saving every step until step 3, when worker 1's run directory is deleted (its node is lost)
+  and it is SIGKILLed right after the save, before Ray's controller polls it;
+* attempt 1: ``L`` resumes at step 3 (worker 1 from Ray's copy) and ``T`` at step 2; both
+  finish at step 6.
+
+``jax_cases`` (``JaxTrainer``, 2 workers on CPU): the golden ``accumix launch`` job's strategies
+(2 processes of 2 devices), then the JAX example's loop ``J`` with a shared run directory:
+its reference without saves; ``J`` until its save at step 2, the run directory deleted and
+worker 1 raising; attempt 1: ``J`` resumes from Ray's copy and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import ray.train.collective
+from examples import ray_train as example
+
+
+class _Stop(Exception):
+    """Ends a job where the case wants it to end, on every worker alike."""
+
+
+def _attempt(out: Path, rank: int) -> int:
+    """This attempt's number, the same on every worker (rank 0 counts, Ray broadcasts)."""
+    number = None
+    if rank == 0:
+        number = len(list(out.glob("attempt-*")))
+        (out / f"attempt-{number}").touch()
+    return ray.train.collective.broadcast_from_rank_zero(number)
+
+
+def _write(out: Path, attempt: int, rank: int, facts: dict[str, Any]) -> None:
+    path = out / f"a{attempt}-r{rank}.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**old, **facts}))
+
+
+def _registered() -> str | None:
+    checkpoint = ray.train.get_checkpoint()
+    return os.path.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None
+
+
+def torch_cases(config: dict[str, Any]) -> None:
+    import accumix as ax
+    from accumix.common.run_dir import LATEST
+
+    out = Path(config["out"])
+    rank = ray.train.get_context().get_world_rank()
+    attempt = _attempt(out, rank)
+    facts: dict[str, Any] = {"registered_at_start": _registered()}
+    node_dir = out / "L" / f"node-{rank}"  # each worker its own disk
+    facts["L_dir_existed"] = node_dir.exists()
+
+    def record(**more: Any) -> None:
+        facts.update(more)
+        _write(out, attempt, rank, facts)
+
+    original_save, original_load = ax.Accelerator.save_state, ax.Accelerator.load_state
+    job = {"name": ""}
+
+    def load(self: ax.Accelerator, path: Any, **kwargs: Any) -> Path:
+        loaded = original_load(self, path, **kwargs)
+        record(**{f"{job['name']}_resumed": [self.optimizer_steps, str(loaded)]})
+        return loaded
+
+    def save(self: ax.Accelerator, run_dir: Any, *args: Any, **kwargs: Any) -> Path:
+        if job["name"] == "T":
+            kwargs["checkpoint_upload_mode"] = "async"
+        saved = original_save(self, run_dir, *args, **kwargs)
+        step = self.optimizer_steps
+        if job["name"] == "T" and attempt == 0 and step == 2:
+            ray.train.get_all_reported_checkpoints(  # Ray holds the ASYNC uploads
+                consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+            pointer = Path(run_dir) / LATEST
+            latest = Path(run_dir) / pointer.read_text().strip() if pointer.is_file() else None
+            record(T_async_latest=latest and [latest.name, (latest / "meta.json").is_file()],
+                   T_links_left=sorted(p.name for p in Path(run_dir).glob(".ray-*")))
+            raise _Stop  # T is cut off here, on every worker
+        if job["name"] == "L" and attempt == 0 and step == 3 and rank == 1:
+            shutil.rmtree(node_dir)  # the node and its disk are gone, right after the save
+            os.kill(os.getpid(), signal.SIGKILL)
+        return saved
+
+    ax.Accelerator.save_state, ax.Accelerator.load_state = save, load  # type: ignore[method-assign]
+    try:
+        if attempt == 0:
+            acc = ax.Accelerator(strategy="ddp")
+            import torch.distributed as dist
+
+            record(launch=[acc.launch.launcher, acc.launch.world_size, acc.launch.num_nodes,
+                           acc.launch.local_rank, acc.rank, acc.launch.master_addr],
+                   device=str(acc.device), group_by_ray=dist.is_initialized())
+            for strategy in ("ddp", "fsdp"):
+                job["name"] = f"ref-{strategy}"
+                example.train_loop({"strategy": strategy, "save_every": None,
+                                    "run_dir": str(out / f"ref-{strategy}" / f"node-{rank}")})
+        job["name"] = "T"
+        try:
+            _trainer(out, rank, attempt)
+        except _Stop:
+            pass
+        job["name"] = "L"
+        example.train_loop({"strategy": "ddp", "save_every": 1, "run_dir": str(node_dir)})
+    finally:
+        ax.Accelerator.save_state, ax.Accelerator.load_state = original_save, original_load
+
+
+def _trainer(out: Path, rank: int, attempt: int) -> None:
+    """The Trainer on the example's model, data and batch sizes, 6 steps, a checkpoint every
+    step into a run directory per worker; its final parameters to the facts."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    import accumix as ax
+    from accumix.trainer import Trainer
+
+    acc = ax.Accelerator(strategy="ddp", precision="fp32", global_batch_size=16,
+                         micro_batch_size=2, seed=0)
+    model = example.make_model()
+    trainer = Trainer(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        train_loader=DataLoader(example.make_data(), batch_size=2), accelerator=acc,
+        step_fn=lambda m, batch: nn.functional.mse_loss(m(batch[0]), batch[1]),
+        max_steps=6, checkpoint_every=1, loggers=[], run_dir=out / "T" / f"node-{rank}",
+        grad_clip=None, progress_bar=False, system_metrics_every=None)
+    result = trainer.fit()
+    params = [p.detach().flatten().tolist() for p in acc.unwrap(trainer.model).parameters()]
+    _write(out, attempt, rank, {"T_done": [result.step, str(result.resumed_from)],
+                                "T_params": params})
