@@ -145,3 +145,65 @@ def _trainer(out: Path, rank: int, attempt: int) -> None:
     params = [p.detach().flatten().tolist() for p in acc.unwrap(trainer.model).parameters()]
     _write(out, attempt, rank, {"T_done": [result.step, str(result.resumed_from)],
                                 "T_params": params})
+
+
+def jax_cases(config: dict[str, Any]) -> None:
+    import jax
+    import optax
+    from examples import ray_train_jax as jax_example
+
+    import accumix.jax as axj
+    from tests import jax_workloads as w
+
+    out = Path(config["out"])
+    rank = ray.train.get_context().get_world_rank()
+    attempt = _attempt(out, rank)
+    run_dir = out / "J"  # shared by the workers (orbax writes one directory from all of them)
+    facts: dict[str, Any] = {}
+    original_save, original_load = axj.Accelerator.save_state, axj.Accelerator.load_state
+
+    def load(self: axj.Accelerator, path: Any, state: Any) -> Any:
+        loaded = original_load(self, path, state)
+        facts["J_resumed"] = int(loaded.step)
+        return loaded
+
+    def save(self: axj.Accelerator, where: Any, state: Any, *args: Any, **kwargs: Any) -> Path:
+        saved = original_save(self, where, state, *args, **kwargs)
+        if Path(where) == run_dir and attempt == 0 and int(state.step) == 2:
+            ray.train.collective.barrier()
+            if rank == 0:
+                shutil.rmtree(run_dir)  # every node's copy lost
+            ray.train.collective.barrier()
+            _write(out, attempt, rank, facts)
+            if rank == 1:
+                raise RuntimeError("worker 1 fails after the save of step 2")
+        return saved
+
+    axj.Accelerator.save_state, axj.Accelerator.load_state = save, load  # type: ignore[method-assign]
+    try:
+        if attempt == 0:
+            acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=4)
+            facts["launch"] = [acc.launch.launcher, acc.world_size, jax.process_index(),
+                               jax.process_count(), acc.num_devices]
+            # accumix launch's job (tests/scripts/jax_train.py, golden params): process 0 gives
+            # 4 micro-batches and process 1 gives 3, then both 4; item mode, SGD.
+            batches = w.micro_batches(15, rows=4, seed=17)
+            windows = ([batches[:4], batches[7:11]] if rank == 0 else
+                       [batches[4:7], batches[11:]])
+            for name in ("ddp", "fsdp"):
+                acc = axj.Accelerator(strategy=name, precision="fp32", grad_accum_steps=4)
+                state = acc.setup(w.init_params(), optax.sgd(0.5))
+                step = acc.train_step(w.item_loss)
+                for window in windows:
+                    state, _ = step(state, window)
+                gathered = jax.tree.map(
+                    lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
+                    state.params)
+                facts[f"golden_{name}"] = {
+                    jax.tree_util.keystr(k): v.tolist()
+                    for k, v in jax.tree_util.tree_flatten_with_path(gathered)[0]}
+            jax_example.train_loop({"save_every": None, "run_dir": str(out / "J-ref")})
+        jax_example.train_loop({"save_every": 1, "run_dir": str(run_dir)})
+        _write(out, attempt, rank, facts)
+    finally:
+        axj.Accelerator.save_state, axj.Accelerator.load_state = original_save, original_load

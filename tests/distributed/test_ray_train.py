@@ -100,3 +100,37 @@ def test_torch_trainer_runs_the_torchrun_loop_saves_to_ray_and_resumes(
         assert (saved / name).stat().st_size == size, name
     assert json.loads((saved / "meta.json").read_text())["state"]["optimizer_steps"] == 6
     assert result.metrics["step"] == 6
+
+
+def test_jax_trainer_on_cpu_is_one_job_exact_as_accumix_launch_and_resumes(
+        ray_cluster: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("jax")
+    from examples import ray_train_jax as jax_example
+
+    for name, value in ray_cluster.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    out.mkdir()
+    jax_example.make_trainer(str(tmp_path / "storage"), name="jax-cases", max_failures=1,
+                             loop=ray_jobs.jax_cases, config={"out": str(out)}).fit()
+    facts = _facts(out)
+    assert sorted(facts) == [(a, r) for a in range(2) for r in range(2)], sorted(facts)
+    # One job of 2 processes x 2 CPU devices (Ray started no jax.distributed: before, each
+    # worker trained alone as a world of 1).
+    for rank in range(2):
+        assert facts[0, rank]["launch"] == ["ray", 2, rank, 2, 4]
+    # The params of `accumix launch --nproc 2` on the same job (tests/distributed/
+    # test_jax_processes.py checks them against this golden file), bit for bit.
+    golden = json.loads((Path(__file__).resolve().parents[1] / "golden" / "pre_jax33" /
+                         "uneven_strategy_params.json").read_text())
+    for rank in range(2):
+        for name in ("ddp", "fsdp"):
+            assert facts[0, rank][f"golden_{name}"] == golden[name], (rank, name)
+    # Saved at step 2, every copy of the run directory lost, a worker failed: both resume at
+    # step 2 from Ray's copy and end bit for bit where the run without failures ended.
+    for rank in range(2):
+        assert facts[1, rank]["J_resumed"] == 2
+    done = load_file(out / "J" / "model" / "model.safetensors")
+    reference = load_file(out / "J-ref" / "model" / "model.safetensors")
+    assert done.keys() == reference.keys()
+    assert all(torch.equal(done[k], reference[k]) for k in done)
