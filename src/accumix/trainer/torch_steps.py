@@ -147,8 +147,9 @@ class TorchSteps:
         """SIGTERM on any rank: every rank saves the Trainer's checkpoint at the next window
         boundary (``acc.handle_preemption``, one scalar all-reduce per window), then the loop
         stops (``trainer.stop_preempted``). Off, with a warning, where a save mid-epoch is
-        impossible (a loader that cannot resume mid-epoch) or signals cannot be caught (not
-        the main thread)."""
+        impossible (a loader that cannot resume mid-epoch). Off the main thread (Ray Train)
+        signals cannot be caught: ``accumix.request_preemption()`` and the added checks
+        (``accumix.common.preemption``) still are."""
         try:
             self._preemption = self.accelerator.handle_preemption(
                 trainer.run_dir, keep_last=trainer.keep_checkpoints, exit=False,
