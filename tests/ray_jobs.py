@@ -6,8 +6,9 @@ facts go to ``config["out"]/a<attempt>-r<rank>.json`` for the test to check.
 with its own run directories (no shared filesystem):
 
 * attempt 0: where accumix thinks it runs; ``examples/ray_train.py``'s loop without saves under
-  ddp and fsdp (the references); the Trainer ``T`` on the same job, saving every step with Ray's
-  ASYNC upload, stopped after its save at step 2 once Ray holds it; the example's loop ``L``
+  ddp and fsdp (the references); the Trainer ``T`` on the same job, saving every 2 steps with
+  Ray's ASYNC upload: Ray's pre-emption notice during step 1 makes it save there and go on,
+  and it is stopped after its save at step 2 once Ray holds it; the example's loop ``L``
   saving every step until step 3, when worker 1's run directory is deleted (its node is lost)
   and it is SIGKILLed right after the save, before Ray's controller polls it;
 * attempt 1: ``L`` resumes at step 3 (worker 1 from Ray's copy) and ``T`` at step 2; both
@@ -85,6 +86,8 @@ def torch_cases(config: dict[str, Any]) -> None:
             kwargs["checkpoint_upload_mode"] = "async"
         saved = original_save(self, run_dir, *args, **kwargs)
         step = self.optimizer_steps
+        if job["name"] == "T":
+            record(T_saves=[*facts.get("T_saves", []), step])
         if job["name"] == "T" and attempt == 0 and step == 2:
             ray.train.get_all_reported_checkpoints(  # Ray holds the ASYNC uploads
                 consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
@@ -124,13 +127,22 @@ def torch_cases(config: dict[str, Any]) -> None:
 
 def _trainer(out: Path, rank: int, attempt: int) -> None:
     """The Trainer on the example's model, data and batch sizes, 6 steps, a checkpoint every
-    step into a run directory per worker; its final parameters to the facts."""
+    2 steps into a run directory per worker; Ray's pre-emption notice comes (to rank 0, whose
+    notice Ray broadcasts) during step 1 of attempt 0; the final parameters to the facts."""
     import torch
+    from ray.train.v2._internal.execution.context import get_train_context
+    from ray.train.v2.api.preemption import PreemptionInfo
     from torch import nn
     from torch.utils.data import DataLoader
 
     import accumix as ax
-    from accumix.trainer import Trainer
+    from accumix.trainer import Callback, Trainer
+
+    class Notice(Callback):
+        def on_optimizer_step(self, trainer: Trainer, metrics: Any) -> None:
+            if attempt == 0 and trainer.step == 1 and rank == 0:  # what Ray's watcher does
+                get_train_context().preemption_context.preemption_info = PreemptionInfo(
+                    deadline_ms=None, preempted_node_to_ranks={"node-0": [0, 1]})
 
     acc = ax.Accelerator(strategy="ddp", precision="fp32", global_batch_size=16,
                          micro_batch_size=2, seed=0)
@@ -139,8 +151,8 @@ def _trainer(out: Path, rank: int, attempt: int) -> None:
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
         train_loader=DataLoader(example.make_data(), batch_size=2), accelerator=acc,
         step_fn=lambda m, batch: nn.functional.mse_loss(m(batch[0]), batch[1]),
-        max_steps=6, checkpoint_every=1, loggers=[], run_dir=out / "T" / f"node-{rank}",
-        grad_clip=None, progress_bar=False, system_metrics_every=None)
+        max_steps=6, checkpoint_every=2, loggers=[], run_dir=out / "T" / f"node-{rank}",
+        grad_clip=None, progress_bar=False, system_metrics_every=None, callbacks=[Notice()])
     result = trainer.fit()
     params = [p.detach().flatten().tolist() for p in acc.unwrap(trainer.model).parameters()]
     _write(out, attempt, rank, {"T_done": [result.step, str(result.resumed_from)],

@@ -79,7 +79,11 @@ def test_torch_trainer_runs_the_torchrun_loop_saves_to_ray_and_resumes(
     for got, want in zip(_model(out / "L" / "node-0"), uninterrupted, strict=True):
         assert torch.equal(got, want)
 
-    # T, the Trainer with Ray's ASYNC upload: latest names a step directory that is still there
+    # T, the Trainer: Ray's pre-emption notice during step 1 saved at the next boundary and
+    # training went on (the scheduled saves are at steps 2, 4, 6)...
+    assert facts[0, 0]["T_saves"] == [1, 2] and facts[0, 1]["T_saves"] == [1, 2]
+    assert facts[1, 0]["T_saves"] == [4, 6]
+    # ... with Ray's ASYNC upload: latest names a step directory that is still there
     # (Ray deleted only the links it uploaded); resumed at step 2, it ends bit for bit at the
     # plain loop's parameters.
     assert facts[0, 0]["T_async_latest"] == ["step-2", True]
