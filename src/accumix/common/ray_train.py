@@ -77,9 +77,11 @@ _nodes_cache: dict[str, int] = {}
 
 def _num_nodes(world: int, local_world: int) -> int:
     """The nodes the worker group's placement group spans (one bundle per worker)."""
+    import ray
     from ray.util import get_current_placement_group, placement_group_table
 
-    group = get_current_placement_group()
+    # (Not initialized: no group to read, and asking would start a Ray instance.)
+    group = get_current_placement_group() if ray.is_initialized() else None
     if group is None:
         return max(world // max(local_world, 1), 1)
     key = group.id.hex()
