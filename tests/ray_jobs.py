@@ -11,8 +11,9 @@ with its own run directories (no shared filesystem):
   and it is stopped after its save at step 2 once Ray holds it; the example's loop ``L``
   saving every step until step 3, when worker 1's run directory is deleted (its node is lost)
   and it is SIGKILLed right after the save, before Ray's controller polls it;
-* attempt 1: ``L`` resumes at step 3 (worker 1 from Ray's copy) and ``T`` at step 2; both
-  finish at step 6.
+* attempt 1: ``accumix train`` (the default recipe, shrunk) runs its 2 steps as one job of 2
+  ranks; ``T`` resumes at step 2 and ``L`` at step 3 (worker 1 from Ray's copy); both finish
+  at step 6.
 
 ``jax_cases`` (``JaxTrainer``, 2 workers on CPU): the golden ``accumix launch`` job's strategies
 (2 processes of 2 devices), then the JAX example's loop ``J`` with a shared run directory:
@@ -32,6 +33,12 @@ from typing import Any
 import ray.train
 import ray.train.collective
 from examples import ray_train as example
+
+# The default recipe, shrunk to a second: 1 layer, 4 files, 2 steps, a checkpoint at the end.
+RECIPE = ["max_steps=2", "checkpoint_every=2", "eval_every=null", "model.n_layer=1",
+          "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_files=4",
+          "data.max_val_bytes=500", "sample.max_new_tokens=0", "global_batch_size=8",
+          "micro_batch_size=2", "plot=false", "progress_bar=false", "loggers=[csv]"]
 
 
 class _Stop(Exception):
@@ -114,6 +121,11 @@ def torch_cases(config: dict[str, Any]) -> None:
                 job["name"] = f"ref-{strategy}"
                 example.train_loop({"strategy": strategy, "save_every": None,
                                     "run_dir": str(out / f"ref-{strategy}" / f"node-{rank}")})
+        if attempt == 1:  # `accumix train` (the default recipe, shrunk) in the same workers
+            from accumix.cli.main import main
+
+            job["name"] = "R"
+            record(R_exit=main(["train", *RECIPE, f"output_dir={out / 'R' / f'node-{rank}'}"]))
         job["name"] = "T"
         try:
             _trainer(out, rank, attempt)

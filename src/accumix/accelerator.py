@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accumix.checkpoint import background as checkpoint_background
 from accumix.checkpoint import model_file
 from accumix.checkpoint import save_load as checkpoint
 from accumix.common.micro_batch_search import (
@@ -132,7 +133,7 @@ class Accelerator(RunView):
             # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
             auto_strategy=strategy == "auto" and launch.world_size > 1,
             batch_sizes=batch_sizes, window=AccumulationWindow(steps or 1),
-            steps_known=steps is not None,
+            steps_known=steps is not None, timeout=timeout,
         )
         if seed is not None:
             seed_everything(seed)
@@ -284,9 +285,9 @@ class Accelerator(RunView):
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None, *,
                    extra_state: dict[str, Any] | None = None,
-                   before_publish: Callable[[Path], None] | None = None,
-                   metrics: dict[str, Any] | None = None,
-                   checkpoint_upload_mode: Any = "sync") -> Path:
+                   before_publish: Callable[[Any], None] | None = None,
+                   background: bool = False, metrics: dict[str, Any] | None = None,
+                   checkpoint_upload_mode: Any = "sync") -> Any:
         """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
 
         Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
@@ -294,10 +295,13 @@ class Accelerator(RunView):
         (python, numpy, torch, CUDA) and every set-up DataLoader's epoch and position. Written
         to a temporary directory, flushed and renamed; ``run_dir/latest`` is replaced last.
         Collective: every rank calls it, between windows (after the ``with acc.accumulate():``
-        block of a boundary), with ``run_dir`` on a filesystem all ranks share.
+        block of a boundary). ``run_dir`` may be on a filesystem all ranks share, on each
+        node's own disk (every node then publishes its ranks' files and the metadata a load
+        needs, and ``latest`` moves only once every node has), or an fsspec URL
+        (``s3://bucket/job``: objects written in place, ``meta.json`` then ``latest`` last).
 
         Args:
-            run_dir: the run's directory (created if needed).
+            run_dir: the run's directory (created if needed), a path or an object store URL.
             keep_last: keep this many newest step directories, deleting older ones.
             extra_state: a JSON-safe dict stored with the checkpoint (rank 0's), read back
                 with ``accumix.checkpoint.extra_state(step_dir)``; the Trainer keeps its
@@ -305,6 +309,10 @@ class Accelerator(RunView):
             before_publish: ``before_publish(tmp_step_dir)``, on every rank, writes more files
                 into the step directory before it is published (listed in its manifest, so a
                 crash in between never publishes a checkpoint without them).
+            background: return once the state is copied to host memory; the write and the
+                publish run in a thread. At most one save is in flight: the next save, a load,
+                ``wait_for_save`` and ``end`` wait for it and raise its error on every rank.
+                Not under Ray Train: use ``checkpoint_upload_mode="async"`` there.
             metrics: under Ray Train, reported with the checkpoint (``ray.train.report``: rank
                 0's are the checkpoint's metrics in Ray's result); JSON-safe numbers.
             checkpoint_upload_mode: under Ray Train, ``"sync"`` (return once Ray holds the
@@ -316,18 +324,31 @@ class Accelerator(RunView):
         Ray's copy where its ``run_dir`` lacks it.
 
         Returns:
-            The step directory written.
+            The step directory written (with ``background``: being written).
 
         Raises:
             AccumixError: called inside an accumulation window.
-            ConfigError: ``extra_state`` or ``metrics`` is not JSON, or an unknown upload
-                mode (nothing is written).
-            CheckpointError: a rank failed to write (every rank raises it).
+            ConfigError: ``extra_state`` or ``metrics`` is not JSON, ``run_dir`` a URL that
+                cannot be used, an unknown upload mode, or ``background`` under Ray Train
+                (nothing is written).
+            CheckpointError: a rank failed to write (every rank raises it), or the previous
+                background save failed.
         """
         return checkpoint.save_state(self._run, run_dir, keep_last=keep_last,
                                      extra_state=extra_state, before_publish=before_publish,
-                                     metrics=metrics,
+                                     background_write=background, metrics=metrics,
                                      checkpoint_upload_mode=checkpoint_upload_mode)
+
+    def wait_for_save(self) -> Any:
+        """Waits for the background save in flight (collective when there is one).
+
+        Returns:
+            The step directory it published, or None when none was in flight.
+
+        Raises:
+            CheckpointError: it failed on some rank (every rank raises it).
+        """
+        return checkpoint_background.finish(self._run, "acc.wait_for_save")
 
     def load_state(self, path: str | os.PathLike[str], *, strict: bool = True) -> Path:
         """Restores a ``save_state`` checkpoint into what was set up; training then continues
@@ -390,13 +411,17 @@ class Accelerator(RunView):
             else lambda directory, keep: self.save_state(directory, keep_last=keep))
 
     def end(self) -> None:
-        """Waits for every rank and releases what the strategy holds.
+        """Waits for the background save in flight (raising its error, on every rank), then
+        for every rank, and releases what the strategy holds.
 
         The process group stays up for a later Accelerator in this process and is destroyed at
         exit: destroying it here races a rank that re-creates it at once against a peer whose
         old store still answers on the same port (a hang).
         """
-        lifecycle.end(self._run)
+        try:
+            checkpoint_background.finish(self._run, "acc.end")
+        finally:
+            lifecycle.end(self._run)
 
 
 def _agreed_reduce_dtype(strategy: Strategy, reduce_dtype: str | torch.dtype | None) -> Policy:

@@ -93,6 +93,16 @@ def test_torch_trainer_runs_the_torchrun_loop_saves_to_ray_and_resumes(
         got = [torch.tensor(p) for p in facts[1, rank]["T_params"]]
         assert all(torch.equal(a, b.flatten()) for a, b in zip(got, uninterrupted, strict=True))
 
+    # `accumix train` inside the TorchTrainer: one job of the 2 workers, its checkpoint at Ray.
+    assert facts[1, 0]["R_exit"] == 0 and facts[1, 1]["R_exit"] == 0
+    rows = (out / "R" / "node-0" / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("step,")
+    storage = tmp_path / "storage" / "torch-cases"
+    records = json.loads((storage / "accumix-latest").read_text())["runs"]
+    recipe = json.loads((storage / records[str(out / "R" / "node-0")][-1] /
+                         "accumix-ray.json").read_text())
+    assert recipe["step"] == 2 and len(recipe["run_dirs"]) == 2
+
     # Ray's result holds what save_state wrote (no ray.train.report in the loops): the last
     # checkpoint is L's step 6, every file of both workers in it.
     saved = Path(result.checkpoint.path)

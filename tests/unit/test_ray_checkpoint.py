@@ -30,11 +30,17 @@ def test_every_file_goes_to_one_rank_that_sees_it_largest_first_to_the_least_loa
     assert shares == [["model/__0_0.distcp", "rank-1.pt"],
                       ["model/__1_0.distcp", "rank-0.pt", "model/.metadata", "meta.json"]]
     assert [sum(shared[f] for f in share) for share in shares] == [110, 108]
-    # A disk per node: what only one rank holds goes from that rank; no rank gathers the rest.
-    node1 = {"model/__1_0.distcp": 90, "rank-1.pt": 10}
-    node0 = {k: v for k, v in shared.items() if k not in node1}
+    # A disk per node, each a whole copy (its own meta.json and .metadata): what only one node
+    # holds goes from there; what both hold, from node 0 alone (never one file of each).
+    node0 = {"model/__0_0.distcp": 100, "model/.metadata": 5, "rank-0.pt": 10, "meta.json": 3}
+    node1 = {"model/__1_0.distcp": 90, "model/.metadata": 6, "rank-1.pt": 10, "meta.json": 4}
     shares = ray_checkpoint.assign([node0, node1])
-    assert sorted(shares[0]) == sorted(node0) and sorted(shares[1]) == sorted(node1)
+    assert sorted(shares[0]) == sorted(node0)
+    assert sorted(shares[1]) == ["model/__1_0.distcp", "rank-1.pt"]
+    # Two ranks per node: each node's ranks split what their node uploads.
+    shares = ray_checkpoint.assign([node0, node0, node1, node1])
+    assert sorted(shares[0] + shares[1]) == sorted(node0) and shares[0] and shares[1]
+    assert sorted(shares[2] + shares[3]) == ["model/__1_0.distcp", "rank-1.pt"]
 
 
 class _Context:
@@ -104,7 +110,7 @@ def test_a_worker_resumes_from_the_newest_complete_save_not_only_what_ray_regist
     assert not list(mine.glob(".step-*"))
 
 
-def test_a_registered_checkpoint_newer_than_the_records_wins_and_a_partial_local_copy_is_kept(
+def test_a_registered_checkpoint_newer_than_the_records_wins_and_replaces_a_partial_copy(
         ray_worker: dict[str, Any]) -> None:
     root, run_dirs = ray_worker["root"], ray_worker["run_dirs"]
     _checkpoint(root, "step-2", 2, run_dirs)
@@ -115,8 +121,9 @@ def test_a_registered_checkpoint_newer_than_the_records_wins_and_a_partial_local
     (mine / "step-4").mkdir(parents=True)  # this node's own part only
     (mine / "step-4" / "rank-1.pt").write_bytes(b"x" * 8)
     got = ray_checkpoint.latest_checkpoint(mine)
-    assert got == mine / ".step-4.ray-1" and (got / "model" / "__0_0.distcp").is_file()
-    assert sorted(p.name for p in (mine / "step-4").iterdir()) == ["rank-1.pt"]
+    assert got == mine / "step-4" and (got / "model" / "__0_0.distcp").is_file()
+    assert (got / "rank-1.pt").read_bytes() == bytes([4]) * 8  # Ray's, in its place
+    assert sorted(p.name for p in mine.iterdir()) == ["step-4"]  # nothing left beside it
 
 
 def test_another_run_directory_or_a_worker_that_saved_follows_its_own_latest(

@@ -39,6 +39,7 @@ import posixpath
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,45 @@ _cleaned: set[str] = set()  # run directories whose stale links of this rank wer
 def active() -> bool:
     """Checkpoints go to Ray: this is a Ray Train worker."""
     return ray_train.in_worker()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Handoff:
+    """What a save hands to Ray Train after its step directory is published."""
+
+    metrics: dict[str, Any] | None
+    mode: str  # "sync" | "async"
+
+    def hand_over(self, run_dir: Any, step_dir: Any, *, rank: int, gather: Gather) -> None:
+        """``hand_over`` for a local run directory; an object store's (durable already) sends
+        Ray only the metrics."""
+        if isinstance(run_dir, Path):
+            hand_over(run_dir, step_dir, rank=rank, gather=gather, metrics=self.metrics,
+                      mode=self.mode)
+        else:
+            import ray.train
+
+            ray.train.report(self.metrics or {})
+
+
+def checked(metrics: dict[str, Any] | None, mode: Any, *, background: bool) -> Handoff | None:
+    """``save_state``'s Ray arguments, checked on every rank before anything is written: the
+    hand-off to make (None outside Ray Train).
+
+    Raises:
+        ConfigError: ``metrics`` not JSON, an unknown upload mode, or ``background=True`` under
+            Ray Train (Ray's report must come from the loop's thread: Ray pairs the workers'
+            reports by their order).
+    """
+    if metrics is not None:
+        metrics = layout.json_state(metrics, "save_state(metrics=...)")
+    word = upload_mode(mode)
+    if not active():
+        return None
+    if background:
+        raise ConfigError("save_state(background=True) is not available under Ray Train; use "
+                          "checkpoint_upload_mode='async' (Ray uploads behind the loop)")
+    return Handoff(metrics=metrics, mode=word)
 
 
 def upload_mode(value: Any) -> str:
@@ -102,9 +142,7 @@ def hand_over(run_dir: Path, step_dir: Path, *, rank: int, gather: Gather,
         for stale in run_dir.glob(f".ray-step-*-{rank}"):
             shutil.rmtree(stale, ignore_errors=True)
         _cleaned.add(str(run_dir))
-    # Before this node publishes its own part (a run directory on its own disk), its files are
-    # in the temporary directory.
-    source = step_dir if step_dir.is_dir() else step_dir.with_name(f".{step_dir.name}.tmp")
+    source = step_dir
     everyone = gather([str(run_dir), _listing(source)])
     listings = [files for _, files in everyone]
     shares = assign(listings)
@@ -117,9 +155,7 @@ def hand_over(run_dir: Path, step_dir: Path, *, rank: int, gather: Gather,
         for relative in shares[rank]:
             _link(source / relative, link / relative)
         if rank == 0:
-            files: dict[str, int] = {}
-            for listing in listings:
-                files.update({k: v for k, v in listing.items() if k not in files})
+            files = {name: listings[r][name] for r, share in enumerate(shares) for name in share}
             link.mkdir(parents=True, exist_ok=True)
             layout.write_json(link / RUN_FILE, {
                 "step": int(step_dir.name.split("-")[1]), "run_dirs": [d for d, _ in everyone],
@@ -150,6 +186,12 @@ def assign(listings: list[dict[str, int]]) -> list[list[str]]:
     """Each file to one rank that sees it: largest first, to the rank with the fewest bytes
     assigned so far (ties: the lowest rank). Deterministic: every rank computes the same.
 
+    Ranks that list the same files see one directory. A name that several directories hold
+    (with a run directory per node, each node's ``meta.json``, DCP's ``.metadata``: each node's
+    copy is whole, and points at its own files) comes from the lowest such directory only:
+    Ray's merged copy is then that node's whole copy plus what only the others hold, never a
+    mix of two nodes' versions of one file.
+
     Args:
         listings: per rank, the files it sees (relative path -> size).
 
@@ -158,10 +200,11 @@ def assign(listings: list[dict[str, int]]) -> list[list[str]]:
     """
     holders: dict[str, list[int]] = {}
     sizes: dict[str, int] = {}
-    for rank, files in enumerate(listings):
+    for files in listings:
         for name, size in files.items():
-            holders.setdefault(name, []).append(rank)
-            sizes.setdefault(name, size)
+            if name not in holders:  # the lowest rank that holds it; its directory's ranks
+                holders[name] = [r for r, other in enumerate(listings) if other == files]
+                sizes[name] = size
     load = [0] * len(listings)
     shares: list[list[str]] = [[] for _ in listings]
     for name in sorted(holders, key=lambda n: (-sizes[n], n)):
@@ -334,8 +377,9 @@ def _complete(present: dict[str, int], wanted: dict[str, int]) -> bool:
 
 
 def _fetch(fs: Any, remote: str, run_dir: Path, step: int, files: dict[str, int]) -> Path:
-    """``run_dir/step-N`` when it holds every file of Ray's copy; else Ray's copy downloaded
-    (into ``run_dir/step-N`` when there is none, else beside it)."""
+    """``run_dir/step-N`` holding every file of Ray's copy: as it is when it does, else Ray's
+    copy downloaded in its place. Always that name: every rank loads ``step-N`` of its own
+    run directory (and agrees on it with the others as elsewhere)."""
     from pyarrow.fs import LocalFileSystem, copy_files
 
     local = run_dir / f"step-{step}"
@@ -343,7 +387,6 @@ def _fetch(fs: Any, remote: str, run_dir: Path, step: int, files: dict[str, int]
         return local
     rank = ray_train.train_context().get_world_rank()  # type: ignore[union-attr]
     part = run_dir / f".step-{step}.ray-{rank}.part"
-    target = local if not local.exists() else run_dir / f".step-{step}.ray-{rank}"
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(part, ignore_errors=True)
     copy_files(remote, str(part), source_filesystem=fs, destination_filesystem=LocalFileSystem())
@@ -351,14 +394,26 @@ def _fetch(fs: Any, remote: str, run_dir: Path, step: int, files: dict[str, int]
     if not _complete(_listing(part), files):
         raise CheckpointError(f"downloading Ray's checkpoint {remote} into {part} left files "
                               "missing or short")
-    if target != local:  # an earlier download of this rank's
-        shutil.rmtree(target, ignore_errors=True)
-    try:
-        os.rename(part, target)
-    except OSError:  # another rank on this filesystem put its download there first
-        shutil.rmtree(part, ignore_errors=True)
-        if not _complete(_listing(target), files):
-            raise
-    log.info("rank %d resumes from Ray's checkpoint %s, downloaded into %s", rank, remote,
-             target)
-    return target
+    # Other ranks on this disk may be doing the same: any complete copy in place will do.
+    for _ in range(3):
+        if _complete(_listing(local), files):
+            break
+        if local.exists():  # this node's part only (or another run's): set aside
+            trash = run_dir / f".step-{step}.ray-{rank}.old"
+            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.rename(local, trash)
+            except FileNotFoundError:
+                pass  # another rank moved it
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.rename(part, local)
+            log.info("rank %d resumes from Ray's checkpoint %s, downloaded into %s", rank,
+                     remote, local)
+            break
+        except OSError:  # another rank's copy got there first
+            continue
+    shutil.rmtree(part, ignore_errors=True)
+    if not _complete(_listing(local), files):
+        raise CheckpointError(f"could not put Ray's checkpoint {remote} into {local}")
+    return local

@@ -34,7 +34,7 @@ from accumix.common.micro_batch_search import (
     parse_memory_limit,
 )
 from accumix.errors import ConfigError
-from accumix.jax import checkpoint, distributed
+from accumix.jax import checkpoint, checkpoint_save, distributed
 from accumix.jax.data import Window, WindowLoader, make_window
 from accumix.jax.loader import checked_loader, window_loader
 from accumix.jax.loss_scale import LossScaleRule
@@ -119,6 +119,7 @@ class Accelerator:
         self._optimizer: optax.GradientTransformation | None = None
         self._shardings: TrainState | None = None
         self._loader: WindowLoader | None = None
+        self._pending_save: Any = None  # a background save in flight (checkpoint_save.py)
         self._micro_batch_choice: MicroBatchChoice | None = None
         distributed.check_same_config((self.policy.name, self._batch_sizes, seed,
                                        None if loss_scale is None else repr(loss_scale),
@@ -376,9 +377,9 @@ class Accelerator:
     def save_state(self, run_dir: str | os.PathLike[str], state: TrainState,
                    keep_last: int | None = None, *,
                    extra_state: dict[str, Any] | None = None,
-                   before_publish: Callable[[Path], None] | None = None,
-                   metrics: dict[str, Any] | None = None,
-                   checkpoint_upload_mode: Any = "sync") -> Path:
+                   before_publish: Callable[[Any], None] | None = None,
+                   background: bool = False, metrics: dict[str, Any] | None = None,
+                   checkpoint_upload_mode: Any = "sync") -> Any:
         """Writes ``run_dir/step-N`` (N = ``state.step``) atomically, then ``run_dir/latest``.
 
         The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
@@ -386,27 +387,47 @@ class Accelerator:
         beside it; ``extra_state`` (JSON-safe, process 0's) goes into ``meta.json``, read back
         with ``accumix.checkpoint.extra_state``; ``before_publish(tmp_step_dir)`` (every process)
         writes more files into the step directory before it is published. Collective: every
-        process calls it, between windows. Under Ray Train the step directory goes to Ray with
-        ``metrics`` (``checkpoint_upload_mode`` ``"sync"`` or ``"async"``), as on the torch
-        side (``accumix.Accelerator.save_state``).
+        process calls it, between windows. ``run_dir``: a directory every process sees, or an
+        object store URL (``s3://...``, through a local staging copy: ``checkpoint_save.py``).
+        ``background``: return once orbax has the state on the host; the write and publish go
+        on in a thread (the next save, ``load_state``, ``wait_for_save``, ``end`` wait for it).
+        Under Ray Train the step directory goes to Ray with ``metrics``
+        (``checkpoint_upload_mode`` ``"sync"`` or ``"async"``), as on the torch side
+        (``accumix.Accelerator.save_state``).
 
         Raises:
             LossScaleError: fp16 overflowed at the floor (nothing is written).
             ConfigError: ``extra_state`` is not JSON (nothing is written).
+            CheckpointError: a run directory per process, or the previous background save
+                failed.
         """
         self.check(state)
-        return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last,
-                               extra_state=extra_state, before_publish=before_publish,
-                               metrics=metrics, checkpoint_upload_mode=checkpoint_upload_mode)
+        return checkpoint_save.save(self, run_dir, state, keep_last=keep_last,
+                                    extra_state=extra_state, before_publish=before_publish,
+                                    background=background, metrics=metrics,
+                                    checkpoint_upload_mode=checkpoint_upload_mode)
+
+    def wait_for_save(self) -> Any:
+        """Waits for the background save in flight (collective); its step directory, or None.
+
+        Raises:
+            CheckpointError: it failed on some process (every process raises it).
+        """
+        return checkpoint_save.finish(self, "acc.wait_for_save")
+
+    def end(self) -> None:
+        """Waits for the background save in flight (raising its error); call it at the end."""
+        checkpoint_save.finish(self, "acc.end")
 
     def load_state(self, path: str | os.PathLike[str], state: TrainState) -> TrainState:
-        """The state saved at ``path`` (a run directory's latest, or one step directory),
-        placed like ``state`` (this run's mesh: resharded if the device count differs).
+        """The state saved at ``path`` (a run directory's latest, or one step directory; a
+        path or an object store URL), placed like ``state`` (this run's mesh: resharded if
+        the device count differs).
 
         Raises:
             CheckpointError: a missing, torn or foreign checkpoint; the message names the file.
         """
-        return checkpoint.load(self, Path(path), state)
+        return checkpoint.load(self, path, state)
 
     def save_model(self, directory: str | os.PathLike[str], state: TrainState) -> Path:
         """Writes the params as ``directory/model.safetensors``: float32, keys ``"a.b.c"``.

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from accumix.common.locations import location
 from accumix.common.preemption import PreemptionWatch
 from accumix.errors import ConfigError
 
@@ -319,7 +320,8 @@ class PreemptionHandler:
                     "DistributedSampler, or save with acc.save_state at epoch ends instead"
                 )
         self._run, self._save_state = run, save
-        self.run_dir, self.keep_last, self.exit = Path(run_dir), keep_last, exit
+        # A path, or an object store URL (accumix.common.locations): kept as given.
+        self.run_dir, self.keep_last, self.exit = location(run_dir), keep_last, exit
         self.triggered, self.checkpoint = False, None
         self._checked_window = run.window.index
         # Off the main thread (Ray Train's worker thread) no handler can be installed: the

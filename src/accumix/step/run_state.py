@@ -16,13 +16,14 @@ who changes it:
 * **the step**: whether a micro-step is open and for which models, the window's record
   across optimizers, the optimizer steps taken and whether the last was skipped;
 * **faults**: the pre-emption handler, the watchdog, and the collectives accumix entered
-  between windows (the watchdog's progress and the label of the one in flight).
+  between windows (the watchdog's progress and the label of the one in flight);
+* **background saves**: the one in flight and the process group its thread uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from accumix.step.boundary import StepRecord
 
@@ -79,6 +80,10 @@ class RunState:
     watchdog: Watchdog | None = None
     sync_points: int = 0  # accumix's collectives entered between windows (watchdog progress)
     sync_label: str = ""  # the one in flight, for the diagnosis of a hang
+    # checkpoints written behind the loop (checkpoint/background.py)
+    pending_save: Any = None  # the save in flight, at most one
+    checkpoint_group: Any = None  # the checkpoint thread's own process group
+    timeout: float | None = None  # seconds a collective may wait (the Accelerator's)
 
     @property
     def rank(self) -> int:

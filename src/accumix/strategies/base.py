@@ -298,16 +298,23 @@ class Strategy:
         the backend shards, so it reshards on load). Backends whose state it cannot read
         (ZeroRedundancyOptimizer, DeepSpeed's engine) override both checkpoint methods.
         """
-        from accumix.checkpoint.dcp_state import (
-            save_sharded,  # DCP's import costs ~1 s: only when used
-        )
+        from accumix.checkpoint.dcp_state import write  # DCP's import costs ~1 s: when used
+
+        write(self.checkpoint_state(models, optimizers), directory)
+
+    def checkpoint_state(self, models: list[nn.Module], optimizers: list[Optimizer]
+                         ) -> dict[str, Any]:
+        """The state dict ``save_checkpoint`` writes, of live tensors (collective): what a
+        background save copies to host memory before the loop goes on. The default:
+        ``get_state_dict`` of every model and its optimizers (``dcp_state.state_of``)."""
+        from accumix.checkpoint.dcp_state import state_of
 
         if self._distributed:
             # DCP writes a replicated buffer from whichever rank its de-duplication picks;
             # the buffers that count are rank 0's (DDP broadcasts them at each forward).
             for model in models:
                 broadcast_buffers_(self.unwrap(model), self.broadcast)
-        save_sharded(directory, models, optimizers)
+        return state_of(models, optimizers)
 
     def load_checkpoint(
         self, directory: str, models: list[nn.Module], optimizers: list[Optimizer], *,

@@ -374,6 +374,18 @@ class DeepSpeedStrategy(Strategy):
             deepspeed_state.save(directory, engine, optimizer, self._groups[id(engine)],
                                  self._trained[id(engine)], self.stage)
 
+    def checkpoint_state(self, models: list[nn.Module], optimizers: list[Optimizer]
+                         ) -> dict[str, Any]:
+        """The one engine's ``save_checkpoint`` state (gathered fp32 copies), for a background
+        save to stage."""
+        if len(models) != 1:
+            raise ConfigError("save_state(background=True) with strategy='deepspeed' holds one "
+                              f"model; this run set up {len(models)}: save with "
+                              "background=False")
+        engine = self._engine(models[0])
+        return deepspeed_state.state(engine, optimizers[0], self._groups[id(engine)],
+                                     self._trained[id(engine)], self.stage)
+
     def load_checkpoint(self, directory: str, models: list[nn.Module],
                         optimizers: list[Optimizer], *, strict: bool = True) -> None:
         """Reads a checkpoint of any strategy on the default format, saved on any world size,

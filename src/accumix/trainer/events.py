@@ -91,7 +91,10 @@ class Callback:
         """While a checkpoint is written, before it is published: files written under
         ``directory`` (the temporary step directory) are part of the checkpoint, which
         ``latest`` names only once they are complete (``WeightAveraging`` writes its average
-        here). Collective: every rank calls it."""
+        here). Collective: every rank calls it, in the loop's thread (a background save
+        waits for it). On an object store ``directory`` is an
+        ``accumix.common.locations.RemotePath`` (``/``, ``write_bytes``, ``open``; its
+        ``str()`` is the URL, which ``torch.distributed.checkpoint`` writes through fsspec)."""
 
     def on_save_checkpoint(self, trainer: Trainer, path: Path) -> None:
         """After ``Accelerator.save_state`` wrote ``path`` (a ``step-<n>`` directory)."""

@@ -18,7 +18,6 @@ import math
 import signal
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -231,13 +230,19 @@ class JaxSteps:
         loss_sum, items = (float(x) for x in jax.device_get(total))
         return {"val_loss": loss_sum / items if items > 0 else math.nan, "val_items": items}
 
-    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
-             before_publish: Callable[[Path], None] | None = None) -> Path:
+    def save(self, run_dir: Any, keep_last: int | None, extra_state: dict[str, Any],
+             before_publish: Callable[[Any], None] | None = None, *,
+             background: bool = False) -> Any:
         return self.accelerator.save_state(run_dir, self.state, keep_last=keep_last,
                                            extra_state=extra_state,
-                                           before_publish=before_publish)
+                                           before_publish=before_publish,
+                                           background=background)
 
-    def load(self, path: Path) -> None:
+    def wait_for_save(self) -> None:
+        """Waits for a background save in flight (its error, if it failed, is raised)."""
+        self.accelerator.wait_for_save()
+
+    def load(self, path: Any) -> None:
         self.state = self.accelerator.load_state(path, self.state)
         self._host_step = int(jax.device_get(self.state.step))
 

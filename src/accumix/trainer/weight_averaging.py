@@ -217,7 +217,7 @@ class WeightAveraging(Callback):
                 "WeightAveraging before that callback")
         state = {PREFIX + n: self._holder.saved(a, p)
                  for n, a, p in zip(self.names, self.average, self._params, strict=True)}
-        dcp_state.write(state, str(Path(directory) / self._dir))
+        dcp_state.write(state, str(directory / self._dir))  # a Path, or an object store's
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, path: Path) -> None:
