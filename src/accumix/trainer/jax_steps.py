@@ -127,7 +127,7 @@ class JaxSteps:
             pending.append((metrics, self.train_loader.last_samples))
             due = self._host_step + len(pending)  # exact unless an fp16 window was skipped
             if len(pending) >= self.read_every or _due(trainer, due):
-                (signalled, notice), system = self._agree(len(pending), started)
+                signalled, system, notice = self._agree(len(pending), started)
                 started = self._flush(trainer, pending, started, system)
                 pending = []
                 if trainer.done():
@@ -169,11 +169,10 @@ class JaxSteps:
             self.accelerator.check(self.state)
         return time.perf_counter()
 
-    def _agree(self, count: int, started: float
-               ) -> tuple[tuple[bool, bool], dict[str, float]]:
-        """The one host gather of a read: whether any process was signalled (or asked to
-        save only, by Ray's notice), and every process's system metrics when a step of this
-        read is due for them."""
+    def _agree(self, count: int, started: float) -> tuple[bool, dict[str, float], bool]:
+        """The one host gather of a read: whether any process was signalled, every process's
+        system metrics when a step of this read is due for them, and whether any was asked to
+        save only (Ray's pre-emption notice)."""
         first = self._host_step + 1
         sampled = self._system is not None and any(
             self._system.due(step) for step in range(first, first + count))
@@ -185,8 +184,8 @@ class JaxSteps:
             from jax.experimental import multihost_utils
 
             rows = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, rows.shape[1])
-        flags = (bool(rows[:, 0].any()), bool(rows[:, 1].any()))
-        return flags, system_columns(rows[:, 2:].tolist()) if sampled else {}
+        columns = system_columns(rows[:, 2:].tolist()) if sampled else {}
+        return bool(rows[:, 0].any()), columns, bool(rows[:, 1].any())
 
     def _save_and_exit(self, trainer: Trainer) -> None:
         """Some process was signalled: save here and stop as pre-empted (every process)."""
