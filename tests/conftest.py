@@ -53,8 +53,11 @@ def _clean_process_state():
 # Ray Train's knobs for the session's cluster (read by the driver at fit() and propagated to
 # Ray's controller and workers): the pre-emption watcher is one more actor per worker group and
 # the tests hand its notice over themselves; metrics and the state actor's reconciliation are
-# more processes and polling on a 2-core machine.
+# more processes and polling on a 2-core machine. The controller's poll (2 s by default) is
+# also when it takes a worker's report: a worker's next report waits for it (a queue of one),
+# and a dead worker is noticed then.
 RAY_TRAIN_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
