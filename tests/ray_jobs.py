@@ -209,6 +209,7 @@ def jax_cases(config: dict[str, Any]) -> None:
             acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=4)
             facts["launch"] = [acc.launch.launcher, acc.world_size, jax.process_index(),
                                jax.process_count(), acc.num_devices]
+            _write(out, attempt, rank, facts)
             # accumix launch's job (tests/scripts/jax_train.py, golden params): process 0 gives
             # 4 micro-batches and process 1 gives 3, then both 4; item mode, SGD.
             batches = w.micro_batches(15, rows=4, seed=17)
@@ -226,6 +227,7 @@ def jax_cases(config: dict[str, Any]) -> None:
                 facts[f"golden_{name}"] = {
                     jax.tree_util.keystr(k): v.tolist()
                     for k, v in jax.tree_util.tree_flatten_with_path(gathered)[0]}
+            _write(out, attempt, rank, facts)
             jax_example.train_loop({"save_every": None, "run_dir": str(out / "J-ref")})
         jax_example.train_loop({"save_every": 1, "run_dir": str(run_dir)})
         _write(out, attempt, rank, facts)
