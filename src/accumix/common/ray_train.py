@@ -1,6 +1,6 @@
 """Ray Train (``TorchTrainer``, ``JaxTrainer``; Ray Train v2, ray 2.60): who this worker is,
-JAX's coordinator, and Ray's pre-emption notice. Torch-free; ``ray`` is imported only inside a
-Ray Train worker, where it is loaded already.
+its device and JAX's coordinator (Ray's pre-emption notice: ``common/preemption.py``).
+Torch-free; ``ray`` is imported only inside a Ray Train worker, where it is loaded already.
 
 Ray runs the training function in a thread of each worker actor and says where the worker sits
 through its train context (rank, local rank, node rank), not only through variables: under
@@ -14,7 +14,6 @@ accumix reads the context in both cases (``launcher="ray"``) and, for JAX, start
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -22,8 +21,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from accumix.common.launch_env import DEFAULT_PORT, LaunchEnv
-
-log = logging.getLogger("accumix")
 
 # Set in each Ray Train v2 worker process before the training function starts.
 _CONTEXT_MODULE = "ray.train.v2._internal.execution.context"
@@ -135,19 +132,3 @@ def jax_coordinator(launch: LaunchEnv) -> tuple[str, AbstractContextManager[Any]
         held.__exit__(None, None, None)
         raise
     return address, held
-
-
-def preemption_notice() -> Any | None:
-    """Ray's notice that a node of this worker group is being pre-empted (its
-    ``PreemptionInfo``), read without a collective; None when there is none (or outside Ray).
-
-    ``ray.train.get_preemption_info()`` is the public reader but a barrier across workers;
-    accumix agrees at the window boundary with its own all-reduce instead, so it reads the
-    notice Ray's watcher delivered to this worker (every worker of the group gets it).
-    """
-    module = sys.modules.get(_CONTEXT_MODULE)
-    context = getattr(module, "_train_context", None) if module is not None else None
-    if context is None:
-        return None
-    preemption = getattr(context, "preemption_context", None)
-    return getattr(preemption, "preemption_info", None)
