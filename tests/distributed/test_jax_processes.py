@@ -84,6 +84,15 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(
     for r in trained:
         assert set(r["uneven_eval"]) == {"item-5", "item-3", "mean-5", "mean-3"}, r
         assert all(d < 1e-5 for d in r["uneven_eval"].values()), r["uneven_eval"]
+    # Issue 44: acc.gather of unequal rows is their concatenation in process order (int64
+    # past int32's range intact); a trailing shape that differs is one line on both.
+    assert [r["gather"] for r in trained] == [
+        {"ids": [0, 2**40, 10], "hit": [False, True, True], "n": [0.5, 1.5],
+         "dtype": "int64"}] * 2
+    assert [r["gather_error"] for r in trained] == [
+        "acc.gather needs the same shape after the first dimension and the same dtype on "
+        "every rank: rank 0 [2, 3] float32, rank 1 [1, 4] float32; only the first dimension "
+        "may differ"] * 2
     # The same windows in mean mode with a masked token mean (0/0 on padding), fsdp both
     # modes: the padded micro-step adds exact zeros (NaN when it ran on the padding's zeros).
     for r in trained:

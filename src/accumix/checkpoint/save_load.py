@@ -60,7 +60,16 @@ save_state = saving.save_state
 
 # -- load ------------------------------------------------------------------------------------
 def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True) -> AnyPath:
-    """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
+    """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``.
+
+    Args:
+        run: the Accelerator's run state.
+        path: a run directory (its ``latest``) or one step directory; a path or an fsspec URL.
+        strict: a model must have exactly the checkpoint's keys (False: the keys both have).
+
+    Returns:
+        The step directory loaded.
+    """
     saving.check_between_windows(run, "load_state")
     window_end.close_window(run)  # nothing of the last window applies to the loaded state
     step_dir: AnyPath | None = None

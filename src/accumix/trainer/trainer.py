@@ -211,22 +211,28 @@ class Trainer:
     # -- the backend's objects, for callbacks ----------------------------------------------------
     @property
     def model(self) -> Any:
+        """The set-up model, what ``acc.setup`` returned (None on JAX: the params are in the
+        train state)."""
         return getattr(self.steps, "model", None)
 
     @property
     def optimizer(self) -> Any:
+        """The set-up optimizer (None on JAX)."""
         return getattr(self.steps, "optimizer", None)
 
     @property
     def scheduler(self) -> Any:
+        """The set-up LR scheduler (None without one, and on JAX)."""
         return getattr(self.steps, "scheduler", None)
 
     @property
     def train_loader(self) -> Any:
+        """The set-up training loader (sharded per rank, resumable; on JAX its windows)."""
         return getattr(self.steps, "train_loader", None)
 
     @property
     def val_loader(self) -> Any:
+        """The validation loader (None without one)."""
         return getattr(self.steps, "val_loader", None)
 
     # -- state -------------------------------------------------------------------------------
@@ -263,7 +269,8 @@ class Trainer:
             What was done (steps, last losses, where it resumed from).
 
         Raises:
-            Whatever the loop raised, after every callback's ``on_exception``.
+            Preempted: a pre-emption signal arrived; the step was saved (exit status 143).
+            Exception: whatever the loop raised, after every callback's ``on_exception``.
         """
         started = time.perf_counter()
         outputs = self._outputs = RunOutputs(self)
@@ -340,8 +347,8 @@ class Trainer:
                 return
 
     def end_window(self, metrics: StepMetrics) -> None:
-        """After an optimizer step (called by the steps object): callbacks, evaluation, the
-        logged row, the checkpoint."""
+        """After an optimizer step (called by the steps object with the window's ``metrics``):
+        callbacks, evaluation, the logged row, the checkpoint."""
         self.step, self.micro_step, self.last_metrics = metrics.step, 0, metrics
         self._outputs.note_geometry(metrics)
         self.dispatch("on_optimizer_step", metrics)
@@ -405,5 +412,6 @@ class Trainer:
         return run_state.state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what ``state_dict()`` returned, callbacks matched by class name and order."""
+        """Restores ``state``, what ``state_dict()`` returned, callbacks matched by class name
+        and order."""
         run_state.restore(self, state)
