@@ -45,6 +45,7 @@ from typing import Any
 
 from accumix.common import ray_train
 from accumix.common import run_dir as layout
+from accumix.common.locations import AnyPath, RemotePath
 from accumix.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("accumix")
@@ -301,12 +302,20 @@ def _read(fs: Any, path: str) -> bytes | None:
 
 
 # -- resuming ----------------------------------------------------------------------------------
-def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
-    """The step directory to resume from: under Ray Train, in a worker that has not saved into
-    ``run_dir`` yet, the checkpoint Ray holds of it (fetched into ``run_dir`` when it lacks it);
-    else ``run_dir/latest``'s; None when nothing was saved yet.
+def latest_checkpoint(run_dir: str | os.PathLike[str] | RemotePath) -> AnyPath | None:
+    """The step directory to resume from: ``run_dir/latest``'s, or None when nothing was saved
+    yet. Under Ray Train, in a worker that has not saved into ``run_dir`` yet (one Ray started
+    or restarted), the newest checkpoint Ray holds of ``run_dir``, fetched into it where it
+    lacks it (``accumix.common.ray_checkpoint``).
 
-    For auto-resume: ``if latest_checkpoint(run_dir): acc.load_state(run_dir)``.
+    For auto-resume: ``if latest_checkpoint(run_dir): acc.load_state(run_dir)``. After a crash
+    in the middle of replacing a step directory this is the complete copy that survived.
+
+    Args:
+        run_dir: the directory ``save_state`` was given (a path or an object store URL).
+
+    Returns:
+        The step directory, or None.
     """
     # An object store URL is its own durable place: Ray's copy adds nothing.
     held = resume_dir(Path(run_dir)) if "://" not in str(run_dir) and resuming(run_dir) else None
