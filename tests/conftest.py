@@ -88,7 +88,9 @@ def ray_cluster() -> Iterator[dict[str, str]]:
         filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     os.environ.update(RAY_TRAIN_ENV)
     try:
-        ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+        # address="local": a new cluster of this session's own, never one found through
+        # RAY_ADDRESS or `ray start`'s /tmp/ray/ray_current_cluster (another session's).
+        ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
                  log_to_driver=False, object_store_memory=100 * 2**20)
     finally:
         os.environ.clear()
