@@ -92,13 +92,22 @@ def test_torch_trainer_runs_the_torchrun_loop_saves_to_ray_and_resumes(
         assert facts[1, rank]["T_resumed"][0] == 2 and facts[1, rank]["T_done"][0] == 6
         got = [torch.tensor(p) for p in facts[1, rank]["T_params"]]
         assert all(torch.equal(a, b.flatten()) for a, b in zip(got, uninterrupted, strict=True))
+    # The ASYNC uploads reached Ray whole: its last saves of T, every file of both workers.
+    storage = tmp_path / "storage" / "torch-cases"
+    records = json.loads((storage / "accumix-latest").read_text())["runs"]
+    steps = []
+    for name in records[str(out / "T" / "node-0")]:
+        run_file = json.loads((storage / name / "accumix-ray.json").read_text())
+        assert run_file["run_dirs"] == [str(out / "T" / f"node-{r}") for r in range(2)]
+        assert all((storage / name / f).stat().st_size == size
+                   for f, size in run_file["files"].items()), name
+        steps.append(run_file["step"])
+    assert steps == [2, 4, 6], steps
 
     # `accumix train` inside the TorchTrainer: one job of the 2 workers, its checkpoint at Ray.
     assert facts[1, 0]["R_exit"] == 0 and facts[1, 1]["R_exit"] == 0
     rows = (out / "R" / "node-0" / "metrics.csv").read_text().splitlines()
     assert len(rows) == 3 and rows[0].startswith("step,")
-    storage = tmp_path / "storage" / "torch-cases"
-    records = json.loads((storage / "accumix-latest").read_text())["runs"]
     recipe = json.loads((storage / records[str(out / "R" / "node-0")][-1] /
                          "accumix-ray.json").read_text())
     assert recipe["step"] == 2 and len(recipe["run_dirs"]) == 2
