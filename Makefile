@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: a bare `torch` can pull a multi-GB CUDA build on these machines.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,jax,mlflow,wandb,clearml,s3,tensorboard,docs]"
+	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,jax,mlflow,wandb,clearml,s3,tensorboard,docs,ray]"
 	touch $(STAMP)
 
 install: $(STAMP)

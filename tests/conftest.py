@@ -12,9 +12,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 # Two CPU devices for accumix.jax's multi-device tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+# Ray resolves 127.0.0.1 to the machine's public address (when imported) unless told that no
+# other node will join (the variable speaks of Windows and macOS; it means "one node"): the
+# session's Ray cluster then serves on loopback only.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 _JAX_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _JAX_CACHE = tempfile.mkdtemp(prefix="accumix-test-xla-cache-")
@@ -33,8 +39,6 @@ for _name in [n for n in os.environ if n.startswith(("PET_", "SKYPILOT_")) or n 
         "JAX_COORDINATOR_ADDRESS")]:
     del os.environ[_name]
 
-from collections.abc import Iterator  # noqa: E402
-
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -52,6 +56,55 @@ def _clean_process_state():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+# Ray Train's knobs for the session's cluster (read by the driver at fit() and propagated to
+# Ray's controller and workers): the pre-emption watcher is one more actor per worker group and
+# the tests hand its notice over themselves; metrics and the state actor's reconciliation are
+# more processes and polling on a 2-core machine. The controller's poll (2 s by default) is
+# also when it takes a worker's report: a worker's next report waits for it (a queue of one),
+# and a dead worker is noticed then.
+RAY_TRAIN_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
+    "RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING": "0",
+    "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0",
+}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[dict[str, str]]:
+    """One local Ray cluster for the whole session: 2 CPUs, every service on loopback.
+
+    Yields the variables a test sets while it calls ``fit()`` (``RAY_TRAIN_ENV``). Skipped,
+    with the reason, only when ray is not importable.
+    """
+    pytest.importorskip("ray.train", reason="ray[train] is not installed: pip install "
+                        "'accumix[ray]' to run the Ray Train tests")
+    import ray
+
+    root = Path(__file__).resolve().parents[1]
+    saved = dict(os.environ)
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray's log monitor lists its log directory every 0.1 s below 1000 files: every 5 s here.
+    os.environ["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] = "0"
+    os.environ["LOG_NAME_UPDATE_INTERVAL_S"] = "5"
+    # The workers import the tests' jobs (tests.ray_jobs) and the examples from this tree.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    os.environ.update(RAY_TRAIN_ENV)
+    try:
+        # address="local": a new cluster of this session's own, never one found through
+        # RAY_ADDRESS or `ray start`'s /tmp/ray/ray_current_cluster (another session's).
+        ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=False, object_store_memory=100 * 2**20)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    yield dict(RAY_TRAIN_ENV)
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

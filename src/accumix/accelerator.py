@@ -330,7 +330,8 @@ class Accelerator(RunView, Collectives):
     def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None, *,
                    extra_state: dict[str, Any] | None = None,
                    before_publish: Callable[[Any], None] | None = None,
-                   background: bool = False) -> Any:
+                   background: bool = False, metrics: dict[str, Any] | None = None,
+                   checkpoint_upload_mode: Any = "sync") -> Any:
         """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
 
         Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
@@ -355,20 +356,32 @@ class Accelerator(RunView, Collectives):
             background: return once the state is copied to host memory; the write and the
                 publish run in a thread. At most one save is in flight: the next save, a load,
                 ``wait_for_save`` and ``end`` wait for it and raise its error on every rank.
+                Not under Ray Train: use ``checkpoint_upload_mode="async"`` there.
+            metrics: under Ray Train, reported with the checkpoint (``ray.train.report``: rank
+                0's are the checkpoint's metrics in Ray's result); JSON-safe numbers.
+            checkpoint_upload_mode: under Ray Train, ``"sync"`` (return once Ray holds the
+                checkpoint in its ``storage_path``) or ``"async"`` (Ray uploads behind the
+                loop), or Ray's ``CheckpointUploadMode``.
+
+        Under Ray Train every rank hands its share of the step directory's files to Ray
+        (``accumix.common.ray_checkpoint``); a worker Ray starts or restarts resumes from
+        Ray's copy where its ``run_dir`` lacks it.
 
         Returns:
             The step directory written (with ``background``: being written).
 
         Raises:
             AccumixError: called inside an accumulation window.
-            ConfigError: ``extra_state`` is not JSON, or ``run_dir`` a URL that cannot be used
+            ConfigError: ``extra_state`` or ``metrics`` is not JSON, ``run_dir`` a URL that
+                cannot be used, an unknown upload mode, or ``background`` under Ray Train
                 (nothing is written).
             CheckpointError: a rank failed to write (every rank raises it), or the previous
                 background save failed.
         """
         return checkpoint.save_state(self._run, run_dir, keep_last=keep_last,
                                      extra_state=extra_state, before_publish=before_publish,
-                                     background_write=background)
+                                     background_write=background, metrics=metrics,
+                                     checkpoint_upload_mode=checkpoint_upload_mode)
 
     def wait_for_save(self) -> Any:
         """Waits for the background save in flight (collective when there is one).

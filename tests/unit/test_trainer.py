@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,29 @@ def test_a_finished_run_run_again_does_nothing_and_reports_the_saved_result(
     assert all(torch.equal(a, b) for a, b in zip(weights, again.model.parameters(),
                                                   strict=True))
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-2", "step-3"]
+
+
+def test_load_checkpoint_takes_any_step_directory_ray_s_checkpoint_directories_too(
+        tmp_path: Path) -> None:
+    # Issue 39: Ray names a reported checkpoint checkpoint_<time>; the Trainer refused it ("it
+    # has no 'latest'") although it holds meta.json.
+    data = w.regression_data(16)
+    first, _ = make_trainer(data, w.mean_loss, k=2, micro=4, lr=0.1, max_steps=2,
+                            checkpoint_every=2, run_dir=tmp_path / "run")
+    first.fit()
+    ray_dir = tmp_path / "checkpoint_2026-12-05_04-00-00.000000"
+    shutil.copytree(tmp_path / "run" / "step-2", ray_dir)
+
+    class LoadRays(Callback):
+        def on_fit_start(self, trainer: Trainer) -> None:
+            assert trainer.load_checkpoint(ray_dir) == ray_dir
+            assert trainer.step == 2
+            assert all(torch.equal(a, b) for a, b in zip(
+                first.model.parameters(), trainer.model.parameters(), strict=True))
+
+    again, rec = make_trainer(data, w.mean_loss, k=2, micro=4, lr=0.1, max_steps=3,
+                              callbacks=[LoadRays()])
+    assert again.fit().step == 3 and len(rec.metrics) == 1  # one step more, from step 2
 
 
 class Counting(Callback):

@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from accumix.common.run_dir import extra_state, latest_checkpoint, resolve
+# Ray Train's checkpoint where a worker (re)starts under it, else run_dir/latest's.
+from accumix.common.ray_checkpoint import latest_checkpoint
+from accumix.common.run_dir import extra_state, resolve
 from accumix.errors import CheckpointError
 
 __all__ = ["CheckpointError", "extra_state", "latest_checkpoint", "load_state", "resolve",

@@ -41,7 +41,8 @@ from accumix.checkpoint.plain_values import numpy_floats
 from accumix.common import run_dir as layout
 from accumix.common.batch_sizes import resumed_grad_accum_steps, world_change
 from accumix.common.locations import AnyPath, RemotePath, location
-from accumix.common.run_dir import alternatives, latest_checkpoint, resolve
+from accumix.common.ray_checkpoint import latest_checkpoint  # Ray Train's too
+from accumix.common.run_dir import alternatives, resolve
 from accumix.errors import AccumixError, CheckpointError, ConfigError
 from accumix.runtime import fault
 from accumix.step import accum_steps, window_end

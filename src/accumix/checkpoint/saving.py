@@ -34,8 +34,8 @@ from torch.optim import Optimizer
 from accumix.checkpoint import background, node_copies, rng_state
 from accumix.checkpoint import meta as checkpoint_meta
 from accumix.checkpoint.plain_values import numpy_floats, plain
+from accumix.common import ray_checkpoint, shared_dir
 from accumix.common import run_dir as layout
-from accumix.common import shared_dir
 from accumix.common.locations import AnyPath, RemotePath, location
 from accumix.common.shared_dir import NodeLayout
 from accumix.errors import AccumixError, CheckpointError, ConfigError
@@ -70,7 +70,8 @@ class _Save:
 def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
                keep_last: int | None = None, *, extra_state: dict[str, Any] | None = None,
                before_publish: Callable[[Any], None] | None = None,
-               background_write: bool = False) -> AnyPath:
+               background_write: bool = False, metrics: dict[str, Any] | None = None,
+               checkpoint_upload_mode: Any = "sync") -> AnyPath:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
     Collective. ``acc.save_state`` calls it; see ``Accelerator.save_state``.
@@ -85,6 +86,11 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
             and published with it (the Trainer's ``on_write_checkpoint``).
         background_write: stage the state and return; the write and the publish run behind
             the loop (``Accelerator.save_state(background=True)``).
+        metrics: under Ray Train, reported to Ray with the checkpoint.
+        checkpoint_upload_mode: under Ray Train, Ray's upload: ``"sync"`` or ``"async"``.
+
+    Under Ray Train the published step directory is then handed to Ray
+    (``common/ray_checkpoint.py``).
 
     Returns:
         The step directory (published, or to be published by the background write).
@@ -92,6 +98,7 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
     check_between_windows(run, "save_state")
     if extra_state is not None:
         extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
+    to_ray = ray_checkpoint.checked(metrics, checkpoint_upload_mode, background=background_write)
     window_end.close_window(run, window_over=False)  # the scale the next window uses
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
@@ -156,6 +163,9 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
         background.start(run, job.final, finish)
     else:
         finish()
+        if to_ray is not None:
+            to_ray.hand_over(job.run_dir, job.final, rank=run.rank,
+                             gather=run.strategy.all_gather_object)
     return job.final
 
 

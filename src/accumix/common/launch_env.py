@@ -115,6 +115,11 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     environ = os.environ if environ is None else environ
     addr = environ.get("MASTER_ADDR")
     port = _int(environ, "MASTER_PORT")
+    if environ is os.environ:  # a Ray Train worker: Ray's context says more than RANK & co.
+        from accumix.common.ray_train import launch_env as ray_launch_env
+
+        if (ray := ray_launch_env()) is not None:
+            return ray
     if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, or a user who set them by hand
         world = int(environ["WORLD_SIZE"])
         rank = int(environ["RANK"])

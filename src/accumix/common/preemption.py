@@ -15,6 +15,11 @@ comes from:
 * a check added with ``add_preemption_check(check)``: polled on every rank at each agreement
   point, every check each time (a cluster engine's own notice, such as Ray's
   ``get_preemption_info``, may be a barrier that every rank must call equally often).
+
+Ray Train's own notice (``ray.train.get_preemption_info()``, Ray Train v2: a node of the worker
+group is being drained) is polled in a Ray worker at each agreement too, and asks for less: save
+at the next boundary and carry on (``save_requested``), as Ray advises; Ray restarts the group
+when the node goes and the workers resume from that save. Once per notice.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class PreemptionWatch:
         self._signalled = False
         self._previous: dict[int, Any] = {}
         self.active = True
+        self._notice = _RayNotice.in_worker()
         self.on_main_thread = threading.current_thread() is threading.main_thread()
         if self.on_main_thread:
             self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.signals}
@@ -136,6 +142,17 @@ class PreemptionWatch:
         polled = [bool(check()) for check in list(_checks)]
         return self._signalled or _requested or any(polled)
 
+    def save_requested(self) -> bool:
+        """Whether a cluster engine's notice asks for a save and no stop (Ray Train's, once
+        per notice; the same on every rank: Ray broadcasts rank 0's). Call it at every
+        agreement, on every rank: Ray's reader is a barrier."""
+        return self._notice is not None and self._notice.new()
+
+    def saved_for_notice(self) -> None:
+        """The save the notice asked for was made."""
+        if self._notice is not None:
+            self._notice.served()
+
     def served(self) -> None:
         """The save was made: the signal and any pending request are consumed."""
         global _requested
@@ -149,3 +166,31 @@ class PreemptionWatch:
                 signal.signal(sig, previous)
             self._previous = {}
         self.active = False
+
+
+class _RayNotice:
+    """Ray Train's pre-emption notice (``ray.train.get_preemption_info``), each one once."""
+
+    def __init__(self, read: Callable[[], Any]) -> None:
+        self._read = read
+        self._seen: Any = None
+        self._served: Any = None
+
+    @classmethod
+    def in_worker(cls) -> _RayNotice | None:
+        """The notice's reader in a Ray Train worker whose Ray has one (2.60: v2), else None."""
+        from accumix.common import ray_train
+
+        if not ray_train.in_worker():
+            return None
+        import ray.train
+
+        read = getattr(ray.train, "get_preemption_info", None)
+        return cls(read) if read is not None else None
+
+    def new(self) -> bool:
+        self._seen = self._read()
+        return self._seen is not None and self._seen != self._served
+
+    def served(self) -> None:
+        self._served = self._seen

@@ -105,7 +105,9 @@ def resolve(path: str | os.PathLike[str] | RemotePath) -> AnyPath:
     path = location(path)
     if (path / META).is_file():
         return path
-    target = latest_checkpoint(path)
+    from accumix.common.ray_checkpoint import latest_checkpoint as resume_point  # Ray's too
+
+    target = resume_point(path)
     if target is None:
         raise CheckpointError(
             f"no checkpoint at {path}: it has neither {LATEST} nor {META}; pass a run "

@@ -439,7 +439,8 @@ class Accelerator:
                    keep_last: int | None = None, *,
                    extra_state: dict[str, Any] | None = None,
                    before_publish: Callable[[Any], None] | None = None,
-                   background: bool = False) -> Any:
+                   background: bool = False, metrics: dict[str, Any] | None = None,
+                   checkpoint_upload_mode: Any = "sync") -> Any:
         """Writes ``run_dir/step-N`` (N = ``state.step``) atomically, then ``run_dir/latest``.
 
         The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
@@ -451,6 +452,9 @@ class Accelerator:
         object store URL (``s3://...``, through a local staging copy: ``checkpoint_save.py``).
         ``background``: return once orbax has the state on the host; the write and publish go
         on in a thread (the next save, ``load_state``, ``wait_for_save``, ``end`` wait for it).
+        Under Ray Train the step directory goes to Ray with ``metrics``
+        (``checkpoint_upload_mode`` ``"sync"`` or ``"async"``), as on the torch side
+        (``accumix.Accelerator.save_state``).
 
         Args:
             run_dir: the run's directory.
@@ -471,7 +475,8 @@ class Accelerator:
         self.check(state)
         return checkpoint_save.save(self, run_dir, state, keep_last=keep_last,
                                     extra_state=extra_state, before_publish=before_publish,
-                                    background=background)
+                                    background=background, metrics=metrics,
+                                    checkpoint_upload_mode=checkpoint_upload_mode)
 
     def wait_for_save(self) -> Any:
         """Waits for the background save in flight (collective); its step directory, or None.

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from accumix.checkpoint.background import PendingSave
+from accumix.common import ray_checkpoint, shared_dir
 from accumix.common import run_dir as layout
-from accumix.common import shared_dir
 from accumix.common.locations import AnyPath, RemotePath, location
 from accumix.errors import CheckpointError, ConfigError
 from accumix.jax import checkpoint as ckpt
@@ -48,15 +48,19 @@ STAGING_ENV = "ACCUMIX_STAGING_DIR"
 def save(acc: Accelerator, run_dir: Any, state: TrainState, *, keep_last: int | None,
          extra_state: dict[str, Any] | None = None,
          before_publish: Callable[[Any], None] | None = None,
-         background: bool = False) -> AnyPath:
+         background: bool = False, metrics: dict[str, Any] | None = None,
+         checkpoint_upload_mode: Any = "sync") -> AnyPath:
     """Writes ``run_dir/step-<state.step>`` atomically, then ``latest``. Collective.
     ``before_publish(tmp)`` (every process) writes more files into the temporary step directory
-    (local: on an object store, the staging copy), published with it."""
+    (local: on an object store, the staging copy), published with it. Under Ray Train the
+    published step directory is then handed to Ray with ``metrics``
+    (``common/ray_checkpoint.py``)."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
     if extra_state is not None:
         extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
+    to_ray = ray_checkpoint.checked(metrics, checkpoint_upload_mode, background=background)
     where = location(run_dir)
     finish(acc, "acc.save_state")
     step = int(jax.device_get(state.step))
@@ -105,6 +109,8 @@ def save(acc: Accelerator, run_dir: Any, state: TrainState, *, keep_last: int | 
         return final
     write_and_publish()
     ckpt.sync(f"accumix-save-published-{step}")
+    if to_ray is not None:
+        to_ray.hand_over(where, final, rank=jax.process_index(), gather=ckpt.all_gather_object)
     return final
 
 

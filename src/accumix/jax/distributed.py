@@ -55,6 +55,8 @@ def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
     check_joined(launch, os.environ, backend="jax")  # never a silent world 1
     if launch.world_size <= 1 or jax.distributed.is_initialized():
         return launch
+    if launch.launcher == "ray":  # Ray's JaxTrainer starts JAX itself only on GPUs and TPUs
+        return _initialize_from_ray(launch)
     if launch.launcher in ("slurm", "mpi") and "ACCUMIX_JAX_COORDINATOR" not in os.environ:
         jax.distributed.initialize()  # JAX's own cluster detection
     else:
@@ -64,6 +66,20 @@ def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
                                    coordinator_bind_address=bind_address(address))
     log.info("jax.distributed: process %d of %d, %d local devices", jax.process_index(),
              jax.process_count(), jax.local_device_count())
+    return launch
+
+
+def _initialize_from_ray(launch: LaunchEnv) -> LaunchEnv:
+    """``jax.distributed`` from Ray's context: rank 0 names the coordinator on its node's
+    address and Ray broadcasts it; the service listens on that address only."""
+    from accumix.common.ray_train import jax_coordinator
+
+    address, held = jax_coordinator(launch)
+    with held:
+        jax.distributed.initialize(coordinator_address=address, num_processes=launch.world_size,
+                                   process_id=launch.rank, coordinator_bind_address=address)
+    log.info("jax.distributed from Ray Train: process %d of %d, %d local devices",
+             jax.process_index(), jax.process_count(), jax.local_device_count())
     return launch
 
 

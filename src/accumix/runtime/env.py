@@ -35,7 +35,15 @@ log = logging.getLogger("accumix")
 
 
 def pick_device(launch: LaunchEnv) -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is present, else the CPU."""
+    """``cuda:LOCAL_RANK`` when CUDA is present, else the CPU; under Ray Train the device Ray
+    assigned the worker (it sees only its own GPUs)."""
+    if launch.launcher == "ray":
+        from accumix.common.ray_train import torch_device
+
+        device = torch_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         if launch.local_rank >= count:

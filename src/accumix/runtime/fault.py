@@ -299,6 +299,9 @@ def _is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(h in str(exc).lower() for h in _COLLECTIVE_HINTS)
 
 
+_STOP, _SAVE_ONLY = 2, 1  # the pre-emption agreement's levels (the all-reduce takes the max)
+
+
 class PreemptionHandler:
     """Turns a signal into a checkpoint at the next window boundary (then, with ``requeue``,
     rank 0 asks SLURM to requeue the job); made by ``Accelerator.handle_preemption``.
@@ -342,7 +345,10 @@ class PreemptionHandler:
         if window.micro_step or window.index == self._checked_window:
             return
         self._checked_window = window.index
-        if self._agreed("the pre-emption check") and self._save() and self.exit:
+        level = self._agreed("the pre-emption check")
+        if level == _SAVE_ONLY:  # Ray's notice: a checkpoint now, and Ray restarts the job
+            self._save_and_continue()
+        elif level and self._save() and self.exit:
             raise SystemExit(0)
 
     def at_end(self) -> bool:
@@ -350,8 +356,8 @@ class PreemptionHandler:
         honoured now (saved, when between windows). Returns whether to exit 0 after ``end``."""
         if self.triggered or not self._watch.active:
             return False
-        if not self._agreed("the pre-emption check of acc.end()"):
-            return False
+        if self._agreed("the pre-emption check of acc.end()") != _STOP:
+            return False  # a notice to save only: the run ends here anyway
         if self._run.window.micro_step:  # a checkpoint cannot hold half a window
             self._agreed_stop = True  # the launcher hears that this stop saved nothing
             self.close()
@@ -360,10 +366,21 @@ class PreemptionHandler:
             return self.exit
         return self._save() and self.exit
 
-    def _agreed(self, label: str) -> bool:
-        flag = torch.tensor([1.0 if self._watch.requested() else 0.0], device=self._run.device)
+    def _agreed(self, label: str) -> int:
+        """What the ranks agree on: ``_STOP`` (a signal or request: save and stop),
+        ``_SAVE_ONLY`` (a cluster engine's notice: save and carry on) or 0."""
+        stop, save = self._watch.requested(), self._watch.save_requested()  # both, always
+        level = _STOP if stop else _SAVE_ONLY if save else 0
+        flag = torch.tensor([float(level)], device=self._run.device)
         with phase(self._run, label):
-            return bool(self._run.strategy.all_reduce(flag, "max").item())
+            return int(self._run.strategy.all_reduce(flag, "max").item())
+
+    def _save_and_continue(self) -> None:
+        self.checkpoint = self._save_state(self.run_dir, self.keep_last)
+        self._watch.saved_for_notice()
+        sys.stderr.write(f"accumix: rank {self._run.rank} saved {self.checkpoint} on the "
+                         "cluster's pre-emption notice; training continues\n")
+        sys.stderr.flush()
 
     def _save(self) -> bool:
         self.checkpoint = self._save_state(self.run_dir, self.keep_last)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from accumix.common import run_dir as layout
 from accumix.common.locations import AnyPath, RemotePath, location
+from accumix.common.ray_checkpoint import latest_checkpoint
 from accumix.common.slurm_requeue import requeue
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 
@@ -62,10 +63,14 @@ def load_checkpoint(trainer: Trainer, path: Any, *, missing_ok: bool) -> Any:
     """``trainer.load_checkpoint(path)``: collective; None when ``missing_ok`` and nothing is
     there."""
     path = location(path)
-    if not (path / "latest").exists() and not path.name.startswith("step-"):
+    # A step directory is any with meta.json (Ray's checkpoint directories too); a run
+    # directory's latest is Ray's checkpoint where Ray (re)started this worker.
+    if not ((path / layout.META).is_file() or path.name.startswith("step-")
+            or latest_checkpoint(path) is not None):
         if missing_ok:
             return None
-        raise ConfigError(f"no checkpoint at {str(path)!r}: it has no 'latest'")
+        raise ConfigError(f"no checkpoint at {str(path)!r}: it has neither 'latest' nor "
+                          f"'{layout.META}'")
     trainer.steps.load(path)
     trainer.step = trainer.steps.optimizer_steps
     trainer._saved_step, trainer._saved_path = trainer.step, layout.resolve(path)

@@ -135,13 +135,16 @@ class JaxSteps:
             pending.append((metrics, self.train_loader.last_samples))
             due = self._host_step + len(pending)  # exact unless an fp16 window was skipped
             if len(pending) >= self.read_every or _due(trainer, due):
-                signalled, system = self._agree(len(pending), started)
+                signalled, system, notice = self._agree(len(pending), started)
                 started = self._flush(trainer, pending, started, system)
                 pending = []
                 if trainer.done():
                     return True
                 if signalled:
                     self._save_and_exit(trainer)
+                if notice:  # Ray's pre-emption notice: a checkpoint now, training goes on
+                    trainer.save_for_preemption()
+                    self._watch.saved_for_notice()
         if pending:
             self._flush(trainer, pending, started)
         return got_window
@@ -174,20 +177,23 @@ class JaxSteps:
             self.accelerator.check(self.state)
         return time.perf_counter()
 
-    def _agree(self, count: int, started: float) -> tuple[bool, dict[str, float]]:
-        """The one host gather of a read: whether any process was signalled, and every
-        process's system metrics when a step of this read is due for them."""
+    def _agree(self, count: int, started: float) -> tuple[bool, dict[str, float], bool]:
+        """The one host gather of a read: whether any process was signalled, every process's
+        system metrics when a step of this read is due for them, and whether any was asked to
+        save only (Ray's pre-emption notice)."""
         first = self._host_step + 1
         sampled = self._system is not None and any(
             self._system.due(step) for step in range(first, first + count))
         system = (self._system.sample((time.perf_counter() - started) / count) if sampled
                   else self._system.empty()) if self._system is not None else []
-        rows = np.asarray([[float(self._watch.requested()), *system]], np.float64)
+        stop, save = self._watch.requested(), self._watch.save_requested()  # both, always
+        rows = np.asarray([[float(stop), float(save), *system]], np.float64)
         if self.accelerator.world_size > 1:
             from jax.experimental import multihost_utils
 
             rows = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, rows.shape[1])
-        return bool(rows[:, 0].any()), system_columns(rows[:, 1:].tolist()) if sampled else {}
+        columns = system_columns(rows[:, 2:].tolist()) if sampled else {}
+        return bool(rows[:, 0].any()), columns, bool(rows[:, 1].any())
 
     def _save_and_exit(self, trainer: Trainer) -> None:
         """Some process was signalled: save here and stop as pre-empted (every process)."""

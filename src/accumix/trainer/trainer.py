@@ -396,8 +396,9 @@ class Trainer:
         return checkpointing.save_checkpoint(self, background=background)
 
     def load_checkpoint(self, path: Any, *, missing_ok: bool = False) -> Path | None:
-        """Restores the run from ``path`` (a run directory, whose ``latest`` is followed, or a
-        step directory) with ``acc.load_state`` (collective).
+        """Restores the run from ``path`` (a run directory, whose ``latest`` is followed, or any
+        step directory: one with ``meta.json``, such as Ray Train's checkpoint directories) with
+        ``acc.load_state`` (collective).
 
         Args:
             path: where to load from.
