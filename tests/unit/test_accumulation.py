@@ -83,6 +83,33 @@ def test_boundary_factor_item_mode_and_fp16_hint() -> None:
     assert win.loss_multiplier(5) == 1 / (20.0 * 2)
 
 
+def test_fp16_hint_after_a_short_window_is_a_full_windows_count() -> None:
+    """Issue 38: an epoch's last window ran 1 of K=4 backwards (16 items): the next window's
+    losses are still divided by 16 x 4, the count a full window has. Divided by that window's
+    16 items alone (main's hint, and the window's items per rank), the next window carried 4x
+    the mean's gradient to a 16-bit wire: with 2 ranks, ddp, windows of 4, 4, 1 micro-steps,
+    epoch 2's first window skipped (5 steps of 6, 5.3e-3 off plain PyTorch; main: 3 of 6
+    skipped); counted per backward times K, none (4.5e-6 off, the wire's rounding)."""
+    win = AccumulationWindow(4)
+    win.set_first_hint(16)
+    for _ in range(2):  # two full windows of 16 items a backward, then one of one backward
+        for _ in range(4):
+            win.begin()
+            assert win.loss_multiplier(16) == 1 / 64.0
+            win.end()
+        win.boundary_factor(num_items=64, backwards=4, loss_scale=1.0, grad_divisor=1,
+                            all_reduce=None, dynamic_scale=True, device=None)
+    win.end_of_data = True
+    assert win.begin()
+    assert win.loss_multiplier(16) == 1 / 64.0
+    win.boundary_factor(num_items=16, backwards=1, loss_scale=1.0, grad_divisor=1,
+                        all_reduce=None, dynamic_scale=True, device=None)
+    win.end()
+    win.end_of_data = False
+    win.begin()
+    assert win.loss_multiplier(16) == 1 / 64.0
+
+
 def test_mixing_modes_in_a_window_is_an_error() -> None:
     win = AccumulationWindow(2)
     win.begin()

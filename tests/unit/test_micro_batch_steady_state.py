@@ -98,17 +98,17 @@ def test_the_next_size_up_does_not_fit() -> None:
 
 
 def test_the_steady_state_optimizer_step_is_counted_as_memory_it_allocates() -> None:
-    """Issue 38 case 6: Linear(1024) layers, AdamW, 8 samples a step (1 or 2 windows a step).
+    """Issue 38 case 6: two Linear(1024) layers, AdamW, 8 samples a step, 60 MB.
     A run's steady-state step seemed to peak over the limit, above the probe: the meter counted
     each in-place update of a parameter or a state that existed before it (``mul_``,
     ``lerp_``) as a new allocation (3x the parameters' bytes that never were; with 8 layers
     and 240 MB: 244 MB against a probe of 177 MB, where the process's resident memory grew by
     8 MB in that step: ``test_micro_batch_auto``'s RSS test). The probe already steps a copy of
     the optimizer a second time with its states alive: its answer is the run's peak on every
-    micro-step."""
+    micro-step (here, before: probe 50.4 MB, steps 50.5, 67.3, 67.3 MB; after: 42.0, 42.1)."""
     torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
-    acc = ax.Accelerator(global_batch_size=8, micro_batch_size="auto", memory_limit=120 * MB,
+    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(2)])
+    acc = ax.Accelerator(global_batch_size=8, micro_batch_size="auto", memory_limit=60 * MB,
                          precision="fp32")
     model, opt = acc.setup(net, torch.optim.AdamW(net.parameters()))
     acc.find_micro_batch_size(lambda x: model(x).square().mean(), lambda n: torch.randn(n, 1024))
@@ -126,7 +126,7 @@ def test_the_steady_state_optimizer_step_is_counted_as_memory_it_allocates() -> 
     assert acc.optimizer_steps == 3
     print(f"chose {choice.micro_batch_size}, probe {choice.peak_bytes / MB:.1f} MB, micro-steps "
           f"{[round(p / MB, 1) for p in peaks]} MB")
-    assert max(peaks) <= 0.9 * 120 * MB
+    assert max(peaks) <= 0.9 * 60 * MB
     assert abs(max(peaks) / choice.peak_bytes - 1) < 0.02, (choice.peak_bytes, peaks)
 
 
