@@ -64,11 +64,14 @@ def gather_for_metrics(run: RunState, data: Any) -> Any:
             "numbers of batches (a gather per batch would wait for a rank that has finished); "
             "keep this rank's rows and call acc.gather once after the loop (rank order is the "
             "loader's order), or acc.reduce the sums")
+    if place is not None and not place.sharded:
+        place = None  # the newest batch is of a loader accumix did not shard: its rows as they are
     return _gather(run, data, "acc.gather_for_metrics", place)
 
 
 def current_place(run: RunState) -> BatchPlace | None:
-    """The place of the batch a set-up loader of this run yielded last, if one is current."""
+    """The place of the batch a set-up loader of this run yielded last, if one is current (the
+    newest decides: a loop over another loader inside a training batch gathers its own rows)."""
     places = [loader.place for loader in (*run.loaders, *run.eval_loaders)
               if getattr(loader, "place", None) is not None]
     return max(places, key=lambda p: p.seq) if places else None
