@@ -8,7 +8,16 @@ job), datasets of 131, 7 and 1 samples that neither world divides.
   metric's counts and ``acc.gather`` of the rows after the loop are the one-process values.
 - ``acc.gather`` of unequal rows (nested, 0-dim, int64 past 2**53, bool, a rank with none)
   equals the concatenation (before: gloo aborted the process or returned rows of zeros); a
-  trailing shape or dtype that differs is one line on every rank.
+  trailing shape or dtype that differs is one line on every rank. A gather is two tensor
+  all-gathers, no object gather (before: an object gather of the shapes, 4x to 8x a plain
+  ``dist.all_gather`` of 64 rows).
+- The newest batch decides: rows of a set-up loader accumix cannot shard (the user's stream),
+  gathered during a padded training batch, come back as they are (before: the training
+  batch's padding was cut from them on 2 ranks, a refusal on 3).
+- ``acc.setup_eval_loader`` under DDP with a BatchNorm model and a rank with no batch: DDP's
+  buffer broadcast of the first forward after training runs at the loop's start on every rank
+  (before: the other ranks waited in it until the timeout), so every rank evaluates with
+  rank 0's statistics.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import accumix as ax
 from accumix.testing import spawn
@@ -53,6 +62,67 @@ def accuracy_f1(c: list[int]) -> tuple[float, float]:
     return correct / samples, 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
 
 
+class RankStream(IterableDataset):
+    """Rank ``rank`` of ``world`` yields ``rank, rank + world, ...`` below ``samples``: a stream
+    the user shards (accumix cannot)."""
+
+    def __init__(self, samples: int, rank: int, world: int) -> None:
+        self.samples, self.rank, self.world = samples, rank, world
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(torch.arange(self.rank, self.samples, self.world))
+
+
+def _collectives(acc: ax.Accelerator) -> dict[str, int]:
+    """The all-gathers one ``acc.gather`` and one ``acc.gather_for_metrics`` call."""
+    calls = {"all_gather": 0, "all_gather_object": 0}
+    originals = {name: getattr(torch.distributed, name) for name in calls}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    it = iter(acc.setup(DataLoader(dataset(7), batch_size=2)))
+    i, _, _ = next(it)  # a current batch (its place travels in the same gather)
+    try:
+        for name in calls:
+            setattr(torch.distributed, name, counted(name))
+        acc.gather(torch.arange(3))
+        acc.gather_for_metrics(i)
+    finally:
+        for name, original in originals.items():
+            setattr(torch.distributed, name, original)
+        it.close()
+    return calls
+
+
+def _buffers_eval(acc: ax.Accelerator) -> dict[str, Any]:
+    """A BatchNorm model trained a step under DDP (each rank's batch moves its own running
+    statistics), then evaluated over fewer samples than ranks: the last rank has no batch."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.setup(model, optimizer)
+    for _, x, _ in acc.setup(DataLoader(dataset(2 * acc.world_size), batch_size=2)):
+        with acc.accumulate():
+            acc.backward(model(x).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    few = dataset(acc.world_size - 1)
+    loader = acc.setup_eval_loader(DataLoader(few, batch_size=4))
+    module, x = acc.unwrap(model), few.tensors[1]
+    with torch.no_grad():
+        # This rank's module on each sample alone (every batch below is one sample: exact)
+        before = torch.cat([module(x[k:k + 1]) for k in range(len(x))])
+        rows = [model(x) for _, x, _ in loader]
+        rows = acc.gather(torch.cat(rows) if rows else torch.zeros(0, 3))
+        after = torch.cat([module(x[k:k + 1]) for k in range(len(x))])
+    return {"rows": rows.tolist(), "before": before.tolist(), "after": after.tolist(),
+            "batches": loader.batches_per_rank}
+
+
 def _errors(acc: ax.Accelerator, calls: dict[str, Any]) -> dict[str, str]:
     out = {}
     for name, call in calls.items():
@@ -65,7 +135,7 @@ def _errors(acc: ax.Accelerator, calls: dict[str, Any]) -> dict[str, str]:
 
 
 def eval_job() -> dict[str, Any]:
-    acc = ax.Accelerator(strategy="ddp", precision="fp32")
+    acc = ax.Accelerator(strategy="ddp", precision="fp32", timeout=60)
     rank, world = acc.rank, acc.world_size
     result: dict[str, Any] = {}
     for samples, batch in SIZES.items():
@@ -119,6 +189,14 @@ def eval_job() -> dict[str, Any]:
     next(it)
     result["errors"].update(_errors(acc, {"eval_loader": lambda: acc.gather_for_metrics(x)}))
     it.close()
+    # The newest batch decides: a stream evaluated at the last batch of a padded epoch.
+    train = acc.setup(DataLoader(dataset(7), batch_size=2))
+    stream = acc.setup(DataLoader(RankStream(12, rank, world), batch_size=2))
+    for step, _ in enumerate(train):
+        if step == len(train) - 1:
+            result["stream"] = [acc.gather_for_metrics(i).tolist() for i in stream]
+    result["collectives"] = _collectives(acc)
+    result["buffers_eval"] = _buffers_eval(acc)
     result["world"] = world
     acc.end()
     return result
@@ -171,6 +249,17 @@ def check(ranks: list[dict[str, Any]]) -> None:
             "needs one row per sample of it: rank 0 [32] for 8 rows")
         assert errors["eval_loader"].startswith(
             "acc.gather_for_metrics got a batch of acc.setup_eval_loader's loader")
+        # each batch of the stream: rank 0's two rows, then rank 1's, ...
+        assert r["stream"] == [[k + world * (2 * b + j) for k in range(world) for j in (0, 1)]
+                               for b in range(12 // (2 * world))]
+        assert r["collectives"] == {"all_gather": 4, "all_gather_object": 0}
+        # Every rank evaluated with rank 0's statistics (what plain DDP's forward broadcasts),
+        # as one process holding them would, and holds them after the loop.
+        buffers, rank0 = r["buffers_eval"], ranks[0]["buffers_eval"]["before"]
+        assert buffers["batches"] == [1] * (world - 1) + [0]
+        assert buffers["rows"] == rank0 and buffers["after"] == rank0
+    # The training step left the last rank other statistics than rank 0's (not vacuous).
+    assert ranks[-1]["buffers_eval"]["before"] != ranks[0]["buffers_eval"]["before"]
 
 
 def shared_job(_: Path) -> tuple[Any, tuple[Any, ...]]:

@@ -92,6 +92,7 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(
     assert [r["gather"] for r in trained] == [
         {"ids": [0, 2**40, 10], "hit": [False, True, True], "n": [0.5, 1.5],
          "dtype": "int64"}] * 2
+    assert [r["gather_calls"] for r in trained] == [2, 2]  # lengths, then payloads
     assert [r["gather_error"] for r in trained] == [
         "acc.gather needs the same shape after the first dimension and the same dtype on "
         "every rank: rank 0 [2, 3] float32, rank 1 [1, 4] float32; only the first dimension "

@@ -190,11 +190,20 @@ def uneven_eval(result: dict[str, object]) -> None:
 
 def gather_rows(result: dict[str, object], acc: axj.Accelerator) -> None:
     """``acc.gather`` (issue 44): 2 rows of int64 (past int32's range) and bool on process 0,
-    1 on process 1, in a dict with a 0-dim leaf: the concatenation in process order; then a
-    trailing shape that differs: one line on both processes."""
+    1 on process 1, in a dict with a 0-dim leaf: the concatenation in process order, in two
+    ``process_allgather`` calls (before: three); then a trailing shape that differs: one line
+    on both processes."""
+    from jax.experimental import multihost_utils
+
     p = jax.process_index()
     ids = np.array([0, 2**40], np.int64) if p == 0 else np.array([10], np.int64)
-    got = acc.gather({"ids": ids, "hit": ids > 5, "n": np.float32(p + 0.5)})
+    original, calls = multihost_utils.process_allgather, []
+    multihost_utils.process_allgather = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        got = acc.gather({"ids": ids, "hit": ids > 5, "n": np.float32(p + 0.5)})
+    finally:
+        multihost_utils.process_allgather = original
+    result["gather_calls"] = len(calls)
     result["gather"] = {"ids": got["ids"].tolist(), "hit": got["hit"].tolist(),
                         "n": got["n"].tolist(), "dtype": str(got["ids"].dtype)}
     try:

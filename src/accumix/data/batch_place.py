@@ -30,6 +30,10 @@ class BatchPlace:
         samples: the epoch's real samples; positions from here on are padding.
         padded: the loader pads its shards to equal length (a set-up loader) rather than
             splitting them unevenly (``acc.setup_eval_loader``).
+        sharded: accumix sharded the loader; False for one it could not (an IterableDataset
+            the user shards, a custom sampler or batch sampler): its rows are gathered as
+            they are. Such a batch still has a place, so that it is the newest while current
+            (rows gathered inside a training batch are the stream's, not the training batch's).
     """
 
     seq: int
@@ -38,6 +42,7 @@ class BatchPlace:
     stride: int
     samples: int
     padded: bool = True
+    sharded: bool = True
 
     def real_rows(self) -> int:
         """The rows before the first padding duplicate."""
@@ -56,6 +61,11 @@ def strided_place(*, rows: int, offset: int, rank: int, world_size: int, samples
     ``offset``-th of this rank's shard; ``samples`` is the epoch's real sample count."""
     return BatchPlace(seq=next_seq(), rows=rows, first=offset * world_size + rank,
                       stride=world_size, samples=samples)
+
+
+def unsharded_place() -> BatchPlace:
+    """The place of a batch of a loader accumix did not shard (its rows are all real)."""
+    return BatchPlace(seq=next_seq(), rows=0, first=0, stride=1, samples=0, sharded=False)
 
 
 def merged_order(places: Sequence[BatchPlace]) -> list[tuple[int, int]]:

@@ -9,7 +9,9 @@ per-rank rows once after the loop, is exactly the one-process result on any worl
 
 The ranks may then run different numbers of batches: a collective inside the loop (a gather per
 batch, a forward that gathers parameters) would wait for a rank that has finished. A strategy
-whose forward communicates (fsdp, hsdp, DeepSpeed stage 3) is refused when the counts differ.
+whose forward communicates (fsdp, hsdp, DeepSpeed stage 3) is refused when the counts differ;
+DDP's buffer broadcast (in the first forward after training) runs at the loop's start on every
+rank instead (``Strategy.before_uneven_forwards``).
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class EvalLoader:
         device: where batches go.
         forward_collectives: whether the strategy's forward communicates (asked when an
             epoch starts: ``strategy="auto"`` chooses at the model's setup).
+        before_forwards: called with True when an epoch starts (on every rank, before its
+            first batch, if any) and with False before each batch: the strategy settles what
+            its forward would otherwise communicate (DDP's buffer broadcast).
 
     Raises:
         ConfigError: on several ranks, a loader that cannot be split without changing the
@@ -109,8 +114,10 @@ class EvalLoader:
     """
 
     def __init__(self, loader: DataLoader, *, rank: int, world_size: int,
-                 device: torch.device, forward_collectives: Callable[[], str | None]) -> None:
+                 device: torch.device, forward_collectives: Callable[[], str | None],
+                 before_forwards: Callable[[bool], None] | None = None) -> None:
         self._dataset = loader.dataset
+        self._before_forwards = before_forwards
         self.device = device
         self._move = device.type != "cpu"
         self._forward_collectives = forward_collectives
@@ -151,8 +158,12 @@ class EvalLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._check_lockstep()
+        if self._before_forwards is not None:
+            self._before_forwards(True)
         try:
             for batch in self.loader:
+                if self._before_forwards is not None:
+                    self._before_forwards(False)
                 # Marks the batch as this loader's: acc.gather_for_metrics refuses it (a gather
                 # per batch would wait for a rank that has run out of batches).
                 self.place = BatchPlace(seq=next_seq(), rows=0, first=0, stride=1, samples=0,

@@ -21,7 +21,7 @@ from torch.utils.data import (
 )
 
 from accumix.common.worker_signals import with_guard
-from accumix.data.batch_place import BatchPlace, strided_place
+from accumix.data.batch_place import BatchPlace, strided_place, unsharded_place
 from accumix.data.sample_seeds import EpochSeedTagged, SeededCollate, SeededDataset, draws_nothing
 from accumix.errors import ConfigError
 
@@ -291,12 +291,12 @@ class AcceleratedDataLoader:
                 return
             batch = upcoming
 
-    def _place_of(self, rows: int | None) -> BatchPlace | None:
-        """Where this batch's rows sit in the epoch (``acc.gather_for_metrics``); None where
-        accumix did not shard the loader."""
+    def _place_of(self, rows: int | None) -> BatchPlace:
+        """Where this batch's rows sit in the epoch (``acc.gather_for_metrics``); a place that
+        says so where accumix did not shard the loader."""
         sampler, batch_size = self.sampler, self.loader.batch_size
         if sampler is None or rows is None or batch_size is None:
-            return None
+            return unsharded_place()
         samples = sampler.total_size if sampler.drop_last else len(self._dataset)
         return strided_place(rows=rows, offset=(self.position - 1) * batch_size,
                              rank=sampler.rank, world_size=sampler.num_replicas, samples=samples)

@@ -2,25 +2,30 @@
 unequal first dimensions (the torch side's rule: ``accumix.common.gather_specs``).
 
 ``multihost_utils.process_allgather`` wants the same shape on every process and, without
-``jax_enable_x64``, carries 64-bit values as 32-bit. So every process first learns every
-process's leaves (paths, shapes, dtypes: a mismatch is one line on every process), then each
-leaf travels as bytes, padded to the longest process's rows, in one gather; the real rows are
-cut back out and viewed as their dtype again.
+``jax_enable_x64``, carries 64-bit values as 32-bit. So a gather is two gathers of uint8 arrays,
+whatever the pytree: each process's payload length, then each process's payload padded to the
+longest, a header (the pytree's structure and the leaves' paths, shapes and dtypes: a mismatch
+is one line on every process) followed by the leaves' bytes; the real rows are cut back out
+and viewed as their dtype again (``common.gather_specs``, as on the torch side).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 import jax
 import numpy as np
 
-from accumix.common.gather_specs import LeafSpec, check_specs, rows_of
+from accumix.common.gather_specs import (
+    LeafSpec,
+    check_specs,
+    decode_header,
+    encode_header,
+    payload_layout,
+    rows_of,
+)
 from accumix.errors import ConfigError
-
-_ALIGN = 16  # every leaf's bytes start at a multiple of this: aligned views as any dtype
 
 
 def _host(value: Any) -> np.ndarray | None:
@@ -44,14 +49,17 @@ def gather(data: Any) -> Any:
     specs = [LeafSpec(jax.tree_util.keystr(path), None, type(value).__name__) if array is None
              else LeafSpec(jax.tree_util.keystr(path), array.shape, array.dtype.name)
              for (path, value), array in zip(flat, arrays, strict=True)]
-    processes = jax.process_count()
-    every = [specs] if processes == 1 else _every_spec(specs, treedef)
-    check_specs(every, "acc.gather")
     leaves = [a for a in arrays if a is not None]
-    if processes == 1:
+    if jax.process_count() == 1:
+        check_specs([specs], "acc.gather")
         out = [a.reshape(1) if a.ndim == 0 else a.copy() for a in leaves]
     else:
-        out = _exchange(leaves, every)
+        every, payloads = _exchange(specs, str(treedef), leaves)
+        check_specs(every, "acc.gather")
+        parts = [_unpack(payload, rank_specs, leaves)
+                 for payload, rank_specs in zip(payloads, every, strict=True)]
+        out = [np.concatenate([rank_parts[i] for rank_parts in parts])
+               for i in range(len(leaves))]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -63,40 +71,41 @@ def _all(payload: np.ndarray) -> np.ndarray:
         jax.process_count(), -1)
 
 
-def _every_spec(specs: list[LeafSpec], treedef: Any) -> list[list[LeafSpec]]:
-    """Every process's leaves (and, as its structure, the pytree's), in process order."""
-    text = json.dumps({"tree": str(treedef), "leaves": [[s.path, s.shape, s.dtype]
-                                                         for s in specs]}).encode()
-    lengths = _all(np.asarray([len(text)], np.int64).view(np.uint8)).view(np.int64)[:, 0]
-    padded = np.frombuffer(text.ljust(int(lengths.max())), np.uint8)
-    decoded = [json.loads(bytes(row[:length]).decode())
-               for row, length in zip(_all(padded), lengths, strict=True)]
-    trees = [d["tree"] for d in decoded]
+def _exchange(specs: list[LeafSpec], tree: str, leaves: list[np.ndarray]
+              ) -> tuple[list[list[LeafSpec]], list[tuple[int, np.ndarray]]]:
+    """Every process's leaves and payload (its header's length, its bytes), through two
+    gathers: the payloads' lengths, then the payloads padded to the longest.
+
+    Raises:
+        ConfigError: pytrees that differ (on every process alike).
+    """
+    header = encode_header(specs, tree)
+    offsets, size = payload_layout(len(header), [a.nbytes for a in leaves])
+    lengths = _all(np.asarray([len(header), size], np.int64).view(np.uint8)).view(np.int64)
+    payload = np.zeros(int(lengths[:, 1].max()), np.uint8)
+    payload[:len(header)] = np.frombuffer(header, np.uint8)
+    for leaf, offset in zip(leaves, offsets, strict=True):
+        raw = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+        payload[offset:offset + raw.size] = raw
+    parts = _all(payload)
+    decoded = [decode_header(bytes(part[:h])) for part, h in zip(parts, lengths[:, 0],
+                                                                 strict=True)]
+    trees = [tree for _, tree in decoded]
     if any(t != trees[0] for t in trees):
         listed = ", ".join(f"rank {r} {t}" for r, t in enumerate(trees))
         raise ConfigError(f"acc.gather got different pytrees on the processes: {listed}; give "
                           "every process the same structure")
-    return [[LeafSpec(p, None if s is None else tuple(s), d) for p, s, d in item["leaves"]]
-            for item in decoded]
+    return ([every for every, _ in decoded],
+            [(int(h), part) for part, h in zip(parts, lengths[:, 0], strict=True)])
 
 
-def _exchange(leaves: list[np.ndarray], every: list[list[LeafSpec]]) -> list[np.ndarray]:
-    layout, size = [], 0
-    for index, leaf in enumerate(leaves):
-        row_bytes = leaf.dtype.itemsize * math.prod(leaf.shape[1:])
-        layout.append((size, row_bytes))
-        size += -(-row_bytes * max(rows_of(specs[index]) for specs in every) // _ALIGN) * _ALIGN
-    buffer = np.zeros(max(size, 1), np.uint8)
-    for leaf, (offset, _) in zip(leaves, layout, strict=True):
-        raw = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-        buffer[offset:offset + raw.size] = raw
-    parts = _all(buffer)
-    out = []
-    for index, (leaf, (offset, row_bytes)) in enumerate(zip(leaves, layout, strict=True)):
-        pieces = []
-        for part, specs in zip(parts, every, strict=True):
-            rows = rows_of(specs[index])
-            raw = part[offset:offset + rows * row_bytes]
-            pieces.append(raw.view(leaf.dtype).reshape(rows, *leaf.shape[1:]))
-        out.append(np.concatenate(pieces))
-    return out
+def _unpack(payload: tuple[int, np.ndarray], specs: list[LeafSpec], leaves: list[np.ndarray]
+            ) -> list[np.ndarray]:
+    """One process's leaves cut from its payload (after ``check_specs``: each leaf's dtype and
+    trailing shape are this process's, only the rows differ)."""
+    header, part = payload
+    rows = [rows_of(spec) for spec in specs]
+    row_bytes = [leaf.dtype.itemsize * math.prod(leaf.shape[1:]) for leaf in leaves]
+    offsets, _ = payload_layout(header, [n * b for n, b in zip(rows, row_bytes, strict=True)])
+    return [part[offset:offset + n * b].view(leaf.dtype).reshape(n, *leaf.shape[1:])
+            for leaf, offset, n, b in zip(leaves, offsets, rows, row_bytes, strict=True)]

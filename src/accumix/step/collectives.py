@@ -69,7 +69,9 @@ class Collectives:
         the batch) are kept only where they are real samples, ordered by their place in the
         epoch: over an epoch the results are every sample once, in the loader's order (the
         dataset's without a shuffle), on any world size. For rows of a loader accumix did not
-        shard (an IterableDataset) it is ``gather``.
+        shard (an IterableDataset) it is ``gather``. The batch a set-up loader yielded last
+        decides, so rows of a loop over such a loader inside a training batch come back as
+        they are.
 
         Args:
             data: this rank's rows of the current batch (a tensor or a nesting of them, as

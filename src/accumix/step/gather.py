@@ -1,11 +1,12 @@
 """``acc.gather`` and ``acc.gather_for_metrics``: every rank's rows, exact on unequal sizes.
 
-Two collectives per call, whatever the nesting: one small object all-gather of every rank's
-leaves (paths, shapes, dtypes; for metrics, where the current batch's rows sit in the epoch),
-checked alike on every rank (``common.gather_specs``: a mismatch is one line on every rank,
-never a gloo abort or rows of zeros), then one all-gather of a byte buffer that holds each leaf
-padded to the longest rank's rows; each rank's real rows are cut back out. Bytes travel, not
-the dtype: every dtype (bool, int64, bfloat16, complex) crosses every backend unchanged.
+Two all-gathers of plain tensors per call, whatever the nesting (no object gather: it pickles
+and adds collectives of its own): each rank's payload length, then each rank's payload padded
+to the longest, a header (the leaves' paths, shapes and dtypes; for metrics, where the current
+batch's rows sit in the epoch) followed by the leaves' bytes (``common.gather_specs``). Every
+rank checks every rank's header alike (a mismatch is one line on every rank, never a gloo abort
+or rows of zeros) and cuts each rank's real rows back out. Bytes travel, not the dtype: every
+dtype (bool, int64, bfloat16, complex) crosses every backend unchanged.
 
 ``gather_for_metrics`` then keeps, for a batch of a set-up loader, only the rows that are real
 samples (``DistributedSampler`` pads the epoch with repeats, ``data.batch_place``), ordered by
@@ -15,21 +16,28 @@ exactly once, on any world size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accumix.common.gather_specs import LeafSpec, check_specs, flatten, rebuild, rows_of
+from accumix.common.gather_specs import (
+    LeafSpec,
+    check_specs,
+    decode_header,
+    encode_header,
+    flatten,
+    payload_layout,
+    rebuild,
+    rows_of,
+)
 from accumix.data.batch_place import BatchPlace, merged_order
 from accumix.errors import ConfigError
 from accumix.runtime import fault
 
 if TYPE_CHECKING:
     from accumix.step.run_state import RunState
-
-_ALIGN = 16  # every leaf's bytes start here, so that a view as its dtype is aligned
-
 
 def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
@@ -56,11 +64,14 @@ def gather_for_metrics(run: RunState, data: Any) -> Any:
             "numbers of batches (a gather per batch would wait for a rank that has finished); "
             "keep this rank's rows and call acc.gather once after the loop (rank order is the "
             "loader's order), or acc.reduce the sums")
+    if place is not None and not place.sharded:
+        place = None  # the newest batch is of a loader accumix did not shard: its rows as they are
     return _gather(run, data, "acc.gather_for_metrics", place)
 
 
 def current_place(run: RunState) -> BatchPlace | None:
-    """The place of the batch a set-up loader of this run yielded last, if one is current."""
+    """The place of the batch a set-up loader of this run yielded last, if one is current (the
+    newest decides: a loop over another loader inside a training batch gathers its own rows)."""
     places = [loader.place for loader in (*run.loaders, *run.eval_loaders)
               if getattr(loader, "place", None) is not None]
     return max(places, key=lambda p: p.seq) if places else None
@@ -69,33 +80,65 @@ def current_place(run: RunState) -> BatchPlace | None:
 def _gather(run: RunState, data: Any, what: str, place: BatchPlace | None) -> Any:
     leaves = flatten(data, _is_tensor)
     specs = [_spec(path, value) for path, value in leaves]
-    strategy = run.strategy
-    distributed = strategy.world_size > 1
-    every, places = [specs], [place]
-    if distributed:
+    tensors = [value.detach() for _, value in leaves if _is_tensor(value)]
+    if run.strategy.world_size > 1:
         with fault.phase(run, what):
-            shared = strategy.all_gather_object(
-                ([(s.path, s.shape, s.dtype) for s in specs], _as_dict(place)))
-        every = [[LeafSpec(*s) for s in rank_specs] for rank_specs, _ in shared]
-        places = [None if p is None else BatchPlace(**p) for _, p in shared]
-    check_specs(every, what)
-    keep = _rows_to_keep(every, places, what)
-    tensors = [value.detach() for _, value in leaves]
-    if distributed:
-        with fault.phase(run, what):
-            parts = _exchange(run, tensors, every)
+            every, places, payloads = _exchange(run, specs, tensors, place)
+        check_specs(every, what)
+        parts = [_unpack(payload, specs_r, tensors) for payload, specs_r in
+                 zip(payloads, every, strict=True)]
     else:
+        every, places = [specs], [place]
+        check_specs(every, what)
         parts = [[t if t.dim() else t.reshape(1) for t in tensors]]
+    keep = _rows_to_keep(every, places, what)
     out = [_merge([rank_parts[i] for rank_parts in parts], keep, stack=not specs[i].shape)
            for i in range(len(specs))]
     return rebuild(data, out, _is_tensor)
 
 
+def _exchange(run: RunState, specs: list[LeafSpec], tensors: list[torch.Tensor],
+              place: BatchPlace | None
+              ) -> tuple[list[list[LeafSpec]], list[BatchPlace | None], list[tuple[int, Any]]]:
+    """Every rank's leaves, place and payload (its header's length, its bytes), through two
+    all-gathers of plain tensors: the payloads' lengths, then the payloads padded to the
+    longest (``common.gather_specs``)."""
+    strategy, device = run.strategy, run.device
+    header = encode_header(specs, _as_dict(place))
+    offsets, size = payload_layout(len(header), [t.numel() * t.element_size() for t in tensors])
+    lengths = strategy.all_gather(torch.tensor([len(header), size], device=device))
+    lengths = torch.stack(lengths).tolist()  # one copy to the host
+    payload = torch.zeros(max(n for _, n in lengths), dtype=torch.uint8, device=device)
+    payload[:len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        flat = tensor.to(device).contiguous().reshape(-1).view(torch.uint8)
+        payload[offset:offset + flat.numel()] = flat
+    payloads = strategy.all_gather(payload)
+    headers = torch.cat([part[:h] for part, (h, _) in zip(payloads, lengths, strict=True)])
+    raw = headers.cpu().numpy().tobytes()  # one copy to the host
+    every, places, start = [], [], 0
+    for h, _ in lengths:
+        rank_specs, rank_place = decode_header(raw[start:start + h])
+        every.append(rank_specs)
+        places.append(None if rank_place is None else BatchPlace(**rank_place))
+        start += h
+    return every, places, [(h, part) for part, (h, _) in zip(payloads, lengths, strict=True)]
+
+
+def _unpack(payload: tuple[int, torch.Tensor], specs: list[LeafSpec],
+            tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One rank's leaves cut from its payload (after ``check_specs``: each leaf's dtype and
+    trailing shape are this rank's, only the rows differ)."""
+    header, part = payload
+    rows = [rows_of(spec) for spec in specs]
+    row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in tensors]
+    offsets, _ = payload_layout(header, [n * b for n, b in zip(rows, row_bytes, strict=True)])
+    return [part[offset:offset + n * b].view(t.dtype).reshape(n, *t.shape[1:])
+            for t, offset, n, b in zip(tensors, offsets, rows, row_bytes, strict=True)]
+
+
 def _as_dict(place: BatchPlace | None) -> dict[str, Any] | None:
-    if place is None:
-        return None
-    return {"seq": place.seq, "rows": place.rows, "first": place.first,
-            "stride": place.stride, "samples": place.samples, "padded": place.padded}
+    return None if place is None else dataclasses.asdict(place)
 
 
 def _rows_to_keep(every: list[list[LeafSpec]], places: list[BatchPlace | None], what: str
@@ -121,33 +164,6 @@ def _rows_to_keep(every: list[list[LeafSpec]], places: list[BatchPlace | None], 
                 f"row per sample of it{where}: {listed}; gather per-sample values (a "
                 "per-token or per-batch value with acc.gather or acc.reduce)")
     return merged_order(known)
-
-
-def _exchange(run: RunState, tensors: list[torch.Tensor], every: list[list[LeafSpec]]
-              ) -> list[list[torch.Tensor]]:
-    """Each rank's leaves, through one all-gather of equal byte buffers."""
-    layout = []  # per leaf: (offset, bytes per row, the longest rank's rows)
-    size = 0
-    for index, tensor in enumerate(tensors):
-        row_bytes = tensor.element_size() * math.prod(tensor.shape[1:])
-        longest = max(rows_of(specs[index]) for specs in every)
-        layout.append((size, row_bytes, longest))
-        size += -(-row_bytes * longest // _ALIGN) * _ALIGN
-    buffer = torch.zeros(size, dtype=torch.uint8, device=run.device)
-    for tensor, (offset, _, _) in zip(tensors, layout, strict=True):
-        flat = tensor.to(run.device).contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset:offset + flat.numel()] = flat
-    gathered = run.strategy.all_gather(buffer)
-    out: list[list[torch.Tensor]] = []
-    for r, part in enumerate(gathered):
-        leaves = []
-        for tensor, (offset, row_bytes, _), spec in zip(tensors, layout, every[r],
-                                                        strict=True):
-            rows = rows_of(spec)
-            raw = part[offset:offset + rows * row_bytes]
-            leaves.append(raw.view(tensor.dtype).reshape(rows, *tensor.shape[1:]))
-        out.append(leaves)
-    return out
 
 
 def _merge(parts: list[torch.Tensor], keep: list[tuple[int, int]] | None, *, stack: bool

@@ -170,8 +170,12 @@ def setup_eval_loader(run: RunState, loader: DataLoader) -> EvalLoader:
         strategy = run.strategy  # read when an epoch starts: "auto" chooses at the model
         return strategy.name if strategy.forward_collectives else None
 
+    def before_forwards(start: bool) -> None:
+        run.strategy.before_uneven_forwards(run.models, start=start)
+
     wrapped = EvalLoader(loader, rank=run.launch.rank, world_size=run.strategy.dp_world_size,
-                         device=run.device, forward_collectives=forward_collectives)
+                         device=run.device, forward_collectives=forward_collectives,
+                         before_forwards=before_forwards)
     run.eval_loaders.append(wrapped)
     run.set_up[id(loader)] = loader
     return wrapped

@@ -175,6 +175,10 @@ class Strategy:
         """
         return compiler.compile_in_place(model)
 
+    def before_uneven_forwards(self, models: list[nn.Module], *, start: bool) -> None:
+        """Before forwards the ranks may run unevenly (``acc.setup_eval_loader``'s loop: at its
+        ``start`` on every rank, then before each batch); the default has nothing to do."""
+
     # -- the step ------------------------------------------------------------------------------
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context of an off-boundary micro-step: no gradient communication."""

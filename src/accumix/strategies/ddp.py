@@ -104,6 +104,22 @@ class DDPStrategy(Strategy):
         compiler.compile_in_place(self.unwrap(model))
         return model
 
+    def before_uneven_forwards(self, models: list[nn.Module], *, start: bool) -> None:
+        """DDP broadcasts rank 0's buffers (BatchNorm's running statistics) in the first forward
+        after a training one: in an uneven evaluation a rank with no batch never joins, and the
+        others wait in it until the timeout. Here every rank takes rank 0's buffers at the
+        loop's start (each rank iterates the loader, batches or not: DDP's own broadcast), and
+        no forward of the loop broadcasts again: every rank evaluates with rank 0's
+        statistics, as under plain DDP, and none waits."""
+        for model in models:
+            if (isinstance(model, DistributedDataParallel) and model.broadcast_buffers
+                    and model.modules_buffers):  # the same on every rank: all broadcast or none
+                if start:
+                    model._sync_buffers()
+                # DDP's flag for "broadcast the buffers in the next forward" (a training forward
+                # sets it; torch has no public switch)
+                model.require_forward_param_sync = False
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         if self.ddp_kwargs["static_graph"]:  # on any world size: the same job fails on two
             raise ConfigError(
