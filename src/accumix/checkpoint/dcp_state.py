@@ -54,12 +54,21 @@ def state_of(models: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, 
     return _state(models, optimizers)
 
 
-def stage(state: dict[str, Any], directory: str, *, nodes: Any, group: Any
-          ) -> Callable[[], None]:
+class StagedWrite:
+    """A write ``stage`` started: ``finish()`` waits for it and, on run directories per node,
+    gives every node its ``.metadata`` (collective over the save's group: call it from the
+    caller's thread for it); ``abandon()`` only waits (a save that will not be published)."""
+
+    def __init__(self, future: Any, finish: Callable[[], None]) -> None:
+        self.future, self.finish = future, finish
+
+    def abandon(self) -> None:
+        self.future.exception()  # waits; its error does not matter any more
+
+
+def stage(state: dict[str, Any], directory: str, *, nodes: Any, group: Any) -> StagedWrite:
     """Copies ``state`` to host memory now and writes it to ``directory`` in DCP's background
-    thread (``dcp.async_save``, over ``group``); returns the function that waits for that write
-    and then, on run directories per node, gives every node its ``.metadata`` (call it from a
-    thread of the caller's: it is collective over ``group``).
+    thread (``dcp.async_save``, over ``group``).
 
     Raises:
         ConfigError: a value a safe load could not rebuild (before anything is copied).
@@ -85,7 +94,7 @@ def stage(state: dict[str, Any], directory: str, *, nodes: Any, group: Any
             node_copies.distribute(directory, writer.copies,
                                    node_copies.PerNode(layout=nodes, group=group))
 
-    return finish
+    return StagedWrite(future, finish)
 
 
 def write(state: dict[str, Any], directory: str) -> None:

@@ -115,24 +115,29 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
                 raise _write_failed(model_dir, exc) from exc
         _refuse_own_hooks(job, record)
-    _reset_unstepped(optimizers, empty)
-    rng = rng_state.capture(run)
-    with node_copies.per_node(job.nodes):
-        if before_publish is not None:
-            _agree(run, lambda: before_publish(job.tmp),
-                   f"writing the callbacks' files into {job.tmp}")
-    meta = checkpoint_meta.metadata(run, empty)
-    if extra_state is not None:
-        meta["extra_state"] = extra_state
-    if not job.nodes.shared:  # every node writes rank 0's meta.json (with its own manifest)
-        meta = run.strategy.all_gather_object(meta if run.rank == 0 else None)[0]
-        meta["nodes"] = [list(g) for g in job.nodes.groups]
-        meta["ranks_here"] = list(job.nodes.group)
+    try:
+        _reset_unstepped(optimizers, empty)
+        rng = rng_state.capture(run)
+        with node_copies.per_node(job.nodes):
+            if before_publish is not None:
+                _agree(run, lambda: before_publish(job.tmp),
+                       f"writing the callbacks' files into {job.tmp}")
+        meta = checkpoint_meta.metadata(run, empty)
+        if extra_state is not None:
+            meta["extra_state"] = extra_state
+        if not job.nodes.shared:  # every node writes rank 0's meta.json (its own manifest)
+            meta = run.strategy.all_gather_object(meta if run.rank == 0 else None)[0]
+            meta["nodes"] = [list(g) for g in job.nodes.groups]
+            meta["ranks_here"] = list(job.nodes.group)
+    except BaseException:
+        if background_write:  # DCP's thread must be done before another save uses its group
+            written.abandon()
+        raise
 
     def finish() -> None:
         if background_write:
             try:
-                written()
+                written.finish()
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
