@@ -16,7 +16,8 @@ each kind, each at a new step (every save is a new step directory; ``keep_last=2
   the write's own time (call to published) is reported beside it.
 
 The table: the median over the saves of each time, and the ratio of the loop's blocked time in
-the background to the synchronous save's, measured in the same run.
+the background to the synchronous save's, measured in the same run (each save's times are
+printed above it). The first background save allocates the host copy that later ones reuse.
 """
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ def main() -> None:
             written.append(time.perf_counter() - started)
         acc.end()
     sync_s, blocked_s, written_s = median(in_loop), median(blocked), median(written)
-    print(machine_line(f"{params / 1e6:.1f} M params, {state_mb:.0f} MB of state"))
+    print(machine_line(f"{params / 1e6:.1f} M params, {state_mb:.1f} MB of state"))
     print(f"run_dir: {args.run_dir or 'a local temporary directory'}; {args.saves} saves each")
+    for name, values in (("in the loop", in_loop), ("background, blocked", blocked),
+                         ("background, published", written)):
+        print(f"  {name} s: " + ", ".join(f"{v:.3f}" for v in values))
     print(markdown_table(
         ["save", "loop blocked s (median)", "write to published s (median)",
          "blocked / in-loop save"],

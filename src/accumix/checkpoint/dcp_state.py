@@ -66,9 +66,52 @@ class StagedWrite:
         self.future.exception()  # waits; its error does not matter any more
 
 
-def stage(state: dict[str, Any], directory: str, *, nodes: Any, group: Any) -> StagedWrite:
-    """Copies ``state`` to host memory now and writes it to ``directory`` in DCP's background
-    thread (``dcp.async_save``, over ``group``).
+class StagingBuffers:
+    """The host-memory copy of a run's state, reused from one background save to the next
+    while the state keeps its structure: filling fresh memory pays a page fault per page on
+    every save, which doubled the copy of 200 MB on the 2-core machine (0.71 s against 0.39 s,
+    median of 7). Holds one copy of the state between saves."""
+
+    def __init__(self) -> None:
+        self._buffers: Any = None
+
+    def copy(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with every tensor copied into these buffers (other values as they are)."""
+        from torch.distributed._state_dict_utils import (
+            CompanionMismatch,
+            _copy_state_dict,
+            _create_cpu_state_dict,
+        )
+
+        if self._buffers is not None:
+            try:
+                return _copy_state_dict(state, self._buffers)
+            except (CompanionMismatch, RuntimeError):  # another structure, shape or dtype
+                self._buffers = None
+        self._buffers = _create_cpu_state_dict(state)
+        return _copy_state_dict(state, self._buffers)
+
+
+class _AlreadyStaged:
+    """DCP's stager protocol for a state dict this module has copied already."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def stage(state: dict[str, Any], directory: str, *, nodes: Any, group: Any,
+          buffers: StagingBuffers | None = None) -> StagedWrite:
+    """Copies ``state`` to host memory now (into ``buffers`` when given) and writes it to
+    ``directory`` in DCP's background thread (``dcp.async_save``, over ``group``).
 
     Raises:
         ConfigError: a value a safe load could not rebuild (before anything is copied).
@@ -82,10 +125,12 @@ def stage(state: dict[str, Any], directory: str, *, nodes: Any, group: Any) -> S
         # DCP's thread says it "assumes" one process even when told so (no_dist=True); a
         # catch_warnings there would race the loop's thread (it swaps the global filters).
         warnings.filterwarnings("ignore", message=_SINGLE_SAVE, category=UserWarning)
+    staged = (buffers or StagingBuffers()).copy(state)
     with _quiet_single_process():
         future = dcp.async_save(
-            state, storage_writer=writer, process_group=group, no_dist=not _distributed(),
-            planner=node_copies.NodeCopiesPlanner(nodes) if per_node else None)
+            staged, storage_writer=writer, process_group=group, no_dist=not _distributed(),
+            planner=node_copies.NodeCopiesPlanner(nodes) if per_node else None,
+            async_stager=_AlreadyStaged())  # type: ignore[arg-type]
 
     def finish() -> None:
         future.result()

@@ -103,7 +103,10 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
         job.group = background.process_group(run)
         with fault.phase(run, "acc.save_state, copying the state to host memory"):
             state = run.strategy.checkpoint_state(run.models, optimizers)
-            written = dcp_state.stage(state, model_dir, nodes=job.nodes, group=job.group)
+            if run.staging_buffers is None:
+                run.staging_buffers = dcp_state.StagingBuffers()
+            written = dcp_state.stage(state, model_dir, nodes=job.nodes, group=job.group,
+                                      buffers=run.staging_buffers)
             del state
     else:
         with fault.phase(run, "acc.save_state, writing the models and optimizers"), \
