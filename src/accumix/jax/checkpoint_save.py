@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from accumix.checkpoint.background import PendingSave
 from accumix.common import run_dir as layout
 from accumix.common import shared_dir
 from accumix.common.locations import AnyPath, RemotePath, location
+from accumix.common.pending_save import PendingSave
 from accumix.errors import CheckpointError, ConfigError
 from accumix.jax import checkpoint as ckpt
 from accumix.jax.state import TrainState
