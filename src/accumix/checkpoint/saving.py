@@ -61,10 +61,11 @@ class _Save:
     tmp: AnyPath
     nodes: NodeLayout
     keep_last: int | None
-    group: Any = None  # the background thread's process group; None: in the loop (default)
+    background: bool = False  # written by the background thread (over ``group``)
+    group: Any = None  # that thread's process group (None: one process)
 
     def agree(self, fn: Callable[[], None] | None, what: str) -> None:
-        _agree(self.run, fn, what, group=self.group)
+        _agree(self.run, fn, what, background=self.background, group=self.group)
 
 
 def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
@@ -100,7 +101,7 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
     if background_write:
         from accumix.checkpoint import dcp_state
 
-        job.group = background.process_group(run)
+        job.background, job.group = True, background.process_group(run)
         with fault.phase(run, "acc.save_state, copying the state to host memory"):
             state = run.strategy.checkpoint_state(run.models, optimizers)
             if run.staging_buffers is None:
@@ -177,7 +178,8 @@ def _prepare(run: RunState, where: AnyPath, keep_last: int | None) -> _Save:
         tmp, nodes = final, shared_dir.one_group(run.world_size, rank)
     else:
         tmp = where / f".step-{step}.tmp"
-        with fault.phase(run, f"acc.save_state, finding which ranks share {where}"):
+        phase = f"acc.save_state, finding which ranks share the run directory {where}"
+        with fault.phase(run, phase):
             nodes = shared_dir.probe(where, rank=rank, world_size=run.world_size,
                                      all_gather=run.strategy.all_gather_object)
     job = _Save(run=run, run_dir=where, final=final, tmp=tmp, nodes=nodes, keep_last=keep_last)
@@ -254,20 +256,22 @@ def check_between_windows(run: RunState, what: str) -> None:
         )
 
 
-def _agree(run: RunState, fn: Callable[[], None] | None, what: str, *, group: Any = None
-           ) -> None:
+def _agree(run: RunState, fn: Callable[[], None] | None, what: str, *,
+           background: bool = False, group: Any = None) -> None:
     """Runs ``fn`` here, then every rank learns whether any rank failed (no rank left waiting
-    in a collective the failed one never reaches). ``group``: the background thread's process
-    group (no watchdog phases there: the watchdog follows the loop)."""
+    in a collective the failed one never reaches). ``background``: in the background thread,
+    over its ``group`` (no watchdog phases there: the watchdog follows the loop)."""
     error = None
     if fn is not None:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"{type(exc).__name__}: {exc}"
-    if group is None:
+    if not background:
         with fault.phase(run, f"acc.save_state, {what}"):
             errors = run.strategy.all_gather_object(error)
+    elif group is None:  # one process
+        errors = [error]
     else:
         errors = [None] * run.world_size
         dist.all_gather_object(errors, error, group=group)
