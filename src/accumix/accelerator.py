@@ -23,7 +23,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,18 +49,24 @@ from accumix.runtime.env import detect_launch_env, init_process_group, pick_devi
 from accumix.runtime.logging_setup import configure_logging
 from accumix.step import accum_steps, boundary, lifecycle, micro_step, object_setup
 from accumix.step.accumulation import AccumulationWindow
+from accumix.step.collectives import Collectives
 from accumix.step.compile import CompileSetting, resolve_compile, unwrap
 from accumix.step.run_state import RunState
 from accumix.step.run_view import RunView
 from accumix.strategies import Strategy, resolve_strategy
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
-class Accelerator(RunView):
+    from accumix.data.eval_loader import EvalLoader
+
+
+class Accelerator(RunView, Collectives):
     """Runs one plain PyTorch loop on a CPU, a GPU, many GPUs or many machines.
 
     Args:
-        strategy: ``"auto"``, ``"single"``, ``"ddp"`` (and the sharded words once installed), or
-            a ``Strategy`` object.
+        strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"``, ``"hsdp"``,
+            ``"deepspeed"``, or a ``Strategy`` object (``ax.FSDPStrategy(...)``).
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"bf16-true"``, ``"auto"``,
             or a ``Policy``.
         grad_accum_steps: micro-steps per optimizer step (int >= 1); None derives it from the
@@ -86,6 +92,26 @@ class Accelerator(RunView):
 
     Raises:
         ConfigError: an unknown word, an impossible combination or batch sizes that don't divide.
+
+    Example:
+        ```python
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        import accumix as ax
+
+        data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        acc = ax.Accelerator(global_batch_size=16, micro_batch_size=4, seed=0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer, loader = acc.setup(model, optimizer, DataLoader(data, batch_size=4))
+        for x, y in loader:
+            with acc.accumulate():
+                acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+        assert (acc.grad_accum_steps, acc.optimizer_steps) == (4, 4)
+        ```
 
     Read-only state (``rank``, ``device``, ``optimizer_steps``, ...): ``step/run_view.py``.
     """
@@ -158,6 +184,25 @@ class Accelerator(RunView):
         """
         return object_setup.setup(self._run, objects)
 
+    def setup_eval_loader(self, loader: DataLoader) -> EvalLoader:
+        """An evaluation loader that gives each sample to one rank: contiguous blocks of the
+        loader's samples, uneven, no padding (``acc.setup`` pads, as training needs). Sum a
+        metric's parts and ``acc.reduce(sums, "sum")`` after the loop, or ``acc.gather`` the
+        kept rows once after it (rank order is the loader's order): the one-process result on
+        any world size. Ranks may run different numbers of batches: no collective in the loop
+        (evaluate under ``torch.no_grad()``).
+
+        Args:
+            loader: the evaluation ``DataLoader`` (a plain one, not set up by ``acc.setup``).
+
+        Raises:
+            ConfigError: a loader that cannot be split without repeating or losing samples
+                (an IterableDataset or a custom batch_sampler on several ranks, a weighted
+                sampler); at an epoch's start, unequal batch counts under a strategy whose
+                forward communicates (fsdp, hsdp, DeepSpeed stage 3).
+        """
+        return object_setup.setup_eval_loader(self._run, loader)
+
     def find_micro_batch_size(self, step: Callable[[Any], Any], make_batch: Callable[[int], Any],
                               *, headroom: float = DEFAULT_HEADROOM,
                               run_dir: str | os.PathLike[str] | None = None) -> int:
@@ -189,9 +234,19 @@ class Accelerator(RunView):
 
     # -- the step ------------------------------------------------------------------------------
     def accumulate(self, *models: nn.Module) -> micro_step._MicroStep:
-        """One micro-step. Off the boundary, gradient communication is off for ``models``
-        (default: every set-up model); the last micro-step of a window (or of the epoch's data)
-        is the boundary, where ``sync_gradients`` is True."""
+        """One micro-step: ``with acc.accumulate(): ...`` around its forward, backward and steps.
+
+        Off the boundary, gradient communication is off; the last micro-step of a window (or
+        of the epoch's data) is the boundary, where ``sync_gradients`` is True and the
+        optimizer steps really step.
+
+        Args:
+            models: the models whose gradient communication this micro-step controls
+                (default: every set-up model).
+
+        Returns:
+            A context manager (enter it once per micro-step; micro-steps never nest).
+        """
         # The common call has no arguments: reuse one context (micro-steps never nest).
         return micro_step._MicroStep(self._run, models) if models else self._micro_step
 
@@ -246,28 +301,13 @@ class Accelerator(RunView):
         """
         return boundary.clip_grad_norm(self._run, max_norm, norm_type, parameters)
 
-    # -- collectives and helpers ---------------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """A copy of ``tensor`` reduced over all ranks (``"mean"`` or ``"sum"``)."""
-        if reduction not in ("mean", "sum"):
-            raise ConfigError(f"reduction={reduction!r} is invalid; use 'mean' or 'sum'")
-        return self.strategy.all_reduce(tensor.detach().clone(), reduction)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along dim 0 (stacked if 0-dim), rank order."""
-        parts = self.strategy.all_gather(tensor.detach())
-        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
-
-    def barrier(self) -> None:
-        self.strategy.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
-
+    # -- helpers ------------------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper)."""
+        """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper).
+
+        Args:
+            model: a set-up model (or a plain one, returned as it is).
+        """
         return unwrap(self._run.strategy, model)
 
     def save_model(self, directory: str | os.PathLike[str], model: nn.Module | None = None
@@ -276,6 +316,10 @@ class Accelerator(RunView):
 
         Collective: every rank calls it; rank 0 writes. Keys are the unwrapped model's
         ``state_dict`` keys.
+
+        Args:
+            directory: created if needed.
+            model: the set-up model to write (default: the only one set up).
 
         Returns:
             The file's path.
@@ -362,7 +406,8 @@ class Accelerator(RunView):
         self,
         run_dir: str | os.PathLike[str],
         *,
-        signals: tuple[int, ...] = (signal.SIGTERM,),
+        signals: tuple[int | str, ...] = (signal.SIGTERM,),
+        requeue: bool = False,
         keep_last: int | None = None,
         exit: bool = True,
         save: Callable[[], Any] | None = None,
@@ -375,7 +420,9 @@ class Accelerator(RunView):
 
         Args:
             run_dir: where ``save_state`` writes.
-            signals: the signals that mean "stop soon" (add ``signal.SIGINT`` for Ctrl-C).
+            signals: the signals that mean "stop soon", numbers or names (add ``SIGINT`` for
+                Ctrl-C; ``SIGUSR1`` for ``sbatch --signal=USR1@90``).
+            requeue: after the save is published, rank 0 runs ``scontrol requeue`` (SLURM).
             keep_last: passed to ``save_state``.
             exit: raise ``SystemExit(0)`` after the save; False only sets the returned
                 handler's ``triggered`` (the loop then breaks itself).
@@ -388,7 +435,7 @@ class Accelerator(RunView):
             The handler (``triggered``, ``checkpoint``).
         """
         return lifecycle.handle_preemption(
-            self._run, run_dir, signals=signals, keep_last=keep_last, exit=exit,
+            self._run, run_dir, signals=signals, requeue=requeue, keep_last=keep_last, exit=exit,
             save=(lambda directory, keep: save()) if save is not None
             else lambda directory, keep: self.save_state(directory, keep_last=keep))
 

@@ -3,8 +3,9 @@
 One job trains ddp and fsdp on 2 processes x 2 CPU devices against the one-device large batch
 and saves fsdp's state mid-run (also to the session's S3, in the background), then trains from a
 torch DataLoader sharded per process and saves mid-epoch, then chooses micro_batch_size='auto'
-(the minimum over processes); new processes resume all three bitwise and refuse a run directory
-per process; one process loads the first resharded.
+(the minimum over processes); new processes, started as Kubeflow's JAX runtime starts them
+(``JAX_NUM_PROCESSES``, ...), resume all three bitwise and refuse a run directory per process;
+one process loads the first resharded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from accumix.testing import free_port
 
 pytest.importorskip("jax")
 
@@ -84,6 +87,15 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(
     for r in trained:
         assert set(r["uneven_eval"]) == {"item-5", "item-3", "mean-5", "mean-3"}, r
         assert all(d < 1e-5 for d in r["uneven_eval"].values()), r["uneven_eval"]
+    # Issue 44: acc.gather of unequal rows is their concatenation in process order (int64
+    # past int32's range intact); a trailing shape that differs is one line on both.
+    assert [r["gather"] for r in trained] == [
+        {"ids": [0, 2**40, 10], "hit": [False, True, True], "n": [0.5, 1.5],
+         "dtype": "int64"}] * 2
+    assert [r["gather_error"] for r in trained] == [
+        "acc.gather needs the same shape after the first dimension and the same dtype on "
+        "every rank: rank 0 [2, 3] float32, rank 1 [1, 4] float32; only the first dimension "
+        "may differ"] * 2
     # The same windows in mean mode with a masked token mean (0/0 on padding), fsdp both
     # modes: the padded micro-step adds exact zeros (NaN when it ran on the padding's zeros).
     for r in trained:
@@ -101,10 +113,23 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(
     assert [r["chosen"] for r in _results(tmp_path, "auto")] == [4, 4]
     assert [r["grad_accum_steps"] for r in _results(tmp_path, "auto")] == [4, 4]
 
-    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "resume"], devices=2,
-         extra=s3_env)
+    # Issue 39: the resume runs as Kubeflow's JAX runtime starts it, one process per pod with
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID and JAX_COORDINATOR_ADDRESS (before: each process
+    # silently a world of 1).
+    coordinator = f"127.0.0.1:{free_port()}"
+    pods = [subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(tmp_path), "resume"],
+        env={**_env(2, s3_env), "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+             "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process),
+             "JAX_COORDINATOR_ADDRESS": coordinator},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for process in (0, 1)]
+    outputs = [pod.communicate(timeout=240) for pod in pods]
+    assert [pod.returncode for pod in pods] == [0, 0], outputs
     resumed = _results(tmp_path, "resume")
     assert [(r["loaded_step"], r["bitwise"]) for r in resumed] == [(2, True), (2, True)]
+    assert [(r["process"], r["processes"], r["devices"], r["launcher"]) for r in resumed] == [
+        (0, 2, 4, "kubernetes"), (1, 2, 4, "kubernetes")]
     # Issue 40: the same step saved to S3 in the background resumes bitwise too.
     assert [(r["loaded_step_s3"], r["bitwise_s3"]) for r in resumed] == [(2, True), (2, True)]
     # Issue 40: a run directory per process (no shared disk) is refused in one line, alike.

@@ -188,6 +188,22 @@ def uneven_eval(result: dict[str, object]) -> None:
     result["uneven_eval"] = got
 
 
+def gather_rows(result: dict[str, object], acc: axj.Accelerator) -> None:
+    """``acc.gather`` (issue 44): 2 rows of int64 (past int32's range) and bool on process 0,
+    1 on process 1, in a dict with a 0-dim leaf: the concatenation in process order; then a
+    trailing shape that differs: one line on both processes."""
+    p = jax.process_index()
+    ids = np.array([0, 2**40], np.int64) if p == 0 else np.array([10], np.int64)
+    got = acc.gather({"ids": ids, "hit": ids > 5, "n": np.float32(p + 0.5)})
+    result["gather"] = {"ids": got["ids"].tolist(), "hit": got["hit"].tolist(),
+                        "n": got["n"].tolist(), "dtype": str(got["ids"].dtype)}
+    try:
+        acc.gather(np.zeros((2, 3) if p == 0 else (1, 4), np.float32))
+        result["gather_error"] = None
+    except axj.ConfigError as exc:
+        result["gather_error"] = str(exc)
+
+
 def strategy_objects() -> dict[str, axj.JaxStrategy]:
     """Every JAX strategy class, built before JAX starts (the README's way to ask for
     ``sync_each_microstep``): the mesh must wait for ``jax.distributed`` (was a RuntimeError
@@ -354,7 +370,7 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
     processes = saved_processes if mode != "train" else jax.process_count()
     windows = global_windows(processes)
     result: dict[str, object] = {"process": jax.process_index(), "processes": acc.world_size,
-                                 "devices": acc.num_devices}
+                                 "devices": acc.num_devices, "launcher": acc.launch.launcher}
     if mode == "train":
         ref = w.reference(windows, items=True)
         for strategy in ("ddp", "fsdp"):
@@ -411,6 +427,7 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
     if mode == "train" and acc.world_size > 1:
         uneven_and_single(result)
         uneven_eval(result)
+        gather_rows(result, acc)
         uneven_every_strategy(result, early, out)
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
     if mode in ("train", "resume") and acc.world_size > 1:

@@ -74,9 +74,21 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
                background_write: bool = False) -> AnyPath:
     """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
 
-    Collective. See ``Accelerator.save_state``. ``before_publish(tmp)`` (every rank, in the
-    loop) writes more files into the step directory before it is published: they are listed in
-    its manifest and published with it (the Trainer's ``on_write_checkpoint``).
+    Collective. ``acc.save_state`` calls it; see ``Accelerator.save_state``.
+
+    Args:
+        run: the Accelerator's run state (what it set up, its counters and strategy).
+        run_dir: the run directory: a path or an fsspec URL.
+        keep_last: delete all but the newest N step directories after publishing.
+        extra_state: a JSON-able dict stored in ``meta.json`` (``extra_state(step_dir)``).
+        before_publish: ``before_publish(tmp)`` (every rank, in the loop) writes more files
+            into the step directory before it is published: they are listed in its manifest
+            and published with it (the Trainer's ``on_write_checkpoint``).
+        background_write: stage the state and return; the write and the publish run behind
+            the loop (``Accelerator.save_state(background=True)``).
+
+    Returns:
+        The step directory (published, or to be published by the background write).
     """
     check_between_windows(run, "save_state")
     if extra_state is not None:

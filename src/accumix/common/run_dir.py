@@ -37,6 +37,9 @@ def latest_checkpoint(run_dir: str | os.PathLike[str] | RemotePath) -> AnyPath |
 
     For auto-resume: ``if latest_checkpoint(run_dir): acc.load_state(run_dir)``. After a crash
     in the middle of replacing a step directory this is the complete copy that survived.
+
+    Args:
+        run_dir: the directory ``save_state`` was given.
     """
     run_dir = location(run_dir)
     pointer = run_dir / LATEST
@@ -88,6 +91,12 @@ def resolve(path: str | os.PathLike[str] | RemotePath) -> AnyPath:
     A crash while a second save of the same step swapped directories can leave ``latest``
     pointing at a name that is briefly absent; the complete copy (``.step-N.tmp`` or
     ``.step-N.old`` with its ``meta.json``) is then used (``latest_checkpoint``).
+
+    Args:
+        path: a run directory or one ``step-N`` directory.
+
+    Returns:
+        The step directory.
 
     Raises:
         CheckpointError: neither ``latest`` nor ``meta.json`` is there, or ``latest`` points
@@ -179,7 +188,11 @@ def _numpy_number(value: Any) -> Any:
 
 
 def extra_state(step_dir: AnyPath) -> dict[str, Any]:
-    """What ``save_state(extra_state=...)`` stored in ``step_dir`` ({} if nothing)."""
+    """What ``save_state(extra_state=...)`` stored in ``step_dir`` ({} if nothing).
+
+    Args:
+        step_dir: a ``step-N`` directory (``resolve(run_dir)`` gives the latest).
+    """
     return read_meta(step_dir).get("extra_state") or {}
 
 

@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from accumix.common import preemption_report, worker_signals
 from accumix.common.locations import location
 from accumix.common.preemption import PreemptionWatch
+from accumix.common.slurm_requeue import requeue, requeue_target
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -298,8 +300,8 @@ def _is_collective_failure(exc: BaseException) -> bool:
 
 
 class PreemptionHandler:
-    """Turns a signal into a checkpoint at the next window boundary; made by
-    ``Accelerator.handle_preemption``.
+    """Turns a signal into a checkpoint at the next window boundary (then, with ``requeue``,
+    rank 0 asks SLURM to requeue the job); made by ``Accelerator.handle_preemption``.
 
     Attributes:
         triggered: a signal arrived and the checkpoint was written.
@@ -308,7 +310,7 @@ class PreemptionHandler:
 
     def __init__(self, run: RunState, run_dir: str | os.PathLike[str], *,
                  save: Callable[[Path, int | None], Path], signals: tuple[int, ...],
-                 keep_last: int | None, exit: bool) -> None:
+                 keep_last: int | None, exit: bool, requeue: bool = False) -> None:
         for index, loader in enumerate(run.loaders):
             if loader._unresumable:  # a signal mid-epoch would find no save it could make
                 raise ConfigError(
@@ -316,6 +318,8 @@ class PreemptionHandler:
                     f"{loader._unresumable}; use batch_size= with shuffle=True/False or a "
                     "DistributedSampler, or save with acc.save_state at epoch ends instead"
                 )
+        # Checked now, not when the signal comes: no SLURM job or no scontrol is one line.
+        self._requeue = requeue_target() if requeue else None
         self._run, self._save_state = run, save
         # A path, or an object store URL (accumix.common.locations): kept as given.
         self.run_dir, self.keep_last, self.exit = location(run_dir), keep_last, exit
@@ -324,6 +328,13 @@ class PreemptionHandler:
         # Off the main thread (Ray Train's worker thread) no handler can be installed: the
         # watch then serves request_preemption() and the added checks only.
         self._watch = PreemptionWatch(signals, rank=run.rank)
+        self._armed = tuple(signals) if self._watch.on_main_thread else ()
+        self._agreed_stop = False
+        # The DataLoader workers this rank starts from now on outlive these signals when
+        # someone else sends them (the agent's killpg, the scheduler's): the save needs them.
+        worker_signals.guard(self._armed)
+        if self._armed:
+            preemption_report.note_armed(run.rank)
 
     def at_batch(self) -> None:
         """Between batches: once per finished window, the ranks agree whether to stop."""
@@ -342,6 +353,7 @@ class PreemptionHandler:
         if not self._agreed("the pre-emption check of acc.end()"):
             return False
         if self._run.window.micro_step:  # a checkpoint cannot hold half a window
+            self._agreed_stop = True  # the launcher hears that this stop saved nothing
             self.close()
             print(f"accumix: rank {self._run.rank} pre-empted inside an accumulation window at "
                   f"acc.end(); nothing saved", file=sys.stderr, flush=True)
@@ -357,15 +369,24 @@ class PreemptionHandler:
         self.checkpoint = self._save_state(self.run_dir, self.keep_last)
         self.triggered = True
         self._watch.served()
+        preemption_report.note_saved(self._run.rank, str(self.checkpoint))
         self.close()
         # one write: the ranks share the terminal, and print's separate newline interleaves
         sys.stderr.write(f"accumix: rank {self._run.rank} pre-empted; saved {self.checkpoint}\n")
         sys.stderr.flush()
+        if self._requeue is not None and self._run.rank == 0:  # the save is published
+            requeue(self._requeue)
         return True
 
     def close(self) -> None:
         """Restores the signal handlers that were there before; the Accelerator stops asking
-        this handler at boundaries (no more agreement collectives)."""
+        this handler at boundaries (no more agreement collectives). Closed before any signal
+        (a replaced handler, ``acc.end()``), it tells the launcher it is no longer armed."""
+        signalled = self._watch.signalled
         self._watch.close()
+        worker_signals.release(self._armed)
+        if self._armed and not (signalled or self._agreed_stop or self.triggered):
+            preemption_report.note_disarmed(self._run.rank)
+        self._armed = ()
         if self._run.preemption is self:
             self._run.preemption = None

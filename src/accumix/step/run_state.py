@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from accumix.common.launch_env import LaunchEnv
     from accumix.common.micro_batch_search import MicroBatchChoice
+    from accumix.data.eval_loader import EvalLoader
     from accumix.data.loader import AcceleratedDataLoader
     from accumix.precision import Policy
     from accumix.runtime.fault import PreemptionHandler, Watchdog
@@ -68,7 +69,10 @@ class RunState:
     optimizers: list[AcceleratedOptimizer] = field(default_factory=list)
     schedulers: list[AcceleratedScheduler] = field(default_factory=list)
     loaders: list[AcceleratedDataLoader] = field(default_factory=list)
-    set_up: set[int] = field(default_factory=set)  # ids of the objects handed to setup
+    eval_loaders: list[EvalLoader] = field(default_factory=list)  # not checkpointed
+    # The objects handed to setup, by id; held, so that no new object can take a freed one's id
+    # (``train = acc.setup(train)`` frees the user's DataLoader; the next model may reuse it).
+    set_up: dict[int, object] = field(default_factory=dict)
     # the step
     in_micro_step: bool = False
     micro_step_models: tuple[nn.Module, ...] = ()  # accumulate()'s models; (): every model

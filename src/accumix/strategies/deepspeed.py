@@ -140,6 +140,7 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError(f"DeepSpeedStrategy(hpz={hpz!r}) partitions ZeRO-3's parameters; "
                               f"use stage=3 with it (not stage={stage})")
         self.stage, self.hpz = stage, hpz
+        self.forward_collectives = stage == 3  # ZeRO-3 gathers parameters in the forward
         self.hpz_partition_size: int | None = None
         self.user_config = read_user_config(config)
         import_deepspeed()  # fail at construction, not at the first setup
