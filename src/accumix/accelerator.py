@@ -335,26 +335,22 @@ class Accelerator(RunView, Collectives):
         """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
 
         Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
-        the loss scaler, the accumulation counters, ``optimizer_steps``, every rank's RNG
-        (python, numpy, torch, CUDA) and every set-up DataLoader's epoch and position. Written
-        to a temporary directory, flushed and renamed; ``run_dir/latest`` is replaced last.
-        Collective: every rank calls it, between windows (after the ``with acc.accumulate():``
-        block of a boundary). ``run_dir`` may be on a filesystem all ranks share, on each
-        node's own disk (every node then publishes its ranks' files and the metadata a load
-        needs, and ``latest`` moves only once every node has), or an fsspec URL
-        (``s3://bucket/job``: objects written in place, ``meta.json`` then ``latest`` last).
+        the loss scaler, the accumulation counters, ``optimizer_steps``, every rank's RNG and
+        every set-up DataLoader's epoch and position. Written to a temporary directory, flushed
+        and renamed; ``run_dir/latest`` is replaced last. Collective: every rank calls it,
+        between windows (after the ``with acc.accumulate():`` block of a boundary). ``run_dir``
+        may be shared by the ranks, on each node's own disk (each node publishes its part;
+        ``latest`` moves once all have) or an fsspec URL (docs/guides/remote-checkpoints.md).
 
         Args:
             run_dir: the run's directory (created if needed), a path or an object store URL.
             keep_last: keep this many newest step directories, deleting older ones.
             extra_state: a JSON-safe dict stored with the checkpoint (rank 0's), read back
-                with ``accumix.checkpoint.extra_state(step_dir)``; the Trainer keeps its
-                callbacks' state there.
+                with ``accumix.checkpoint.extra_state(step_dir)``.
             before_publish: ``before_publish(tmp_step_dir)``, on every rank, writes more files
-                into the step directory before it is published (listed in its manifest, so a
-                crash in between never publishes a checkpoint without them).
+                into the step directory before it is published (listed in its manifest).
             background: return once the state is copied to host memory; the write and the
-                publish run in a thread. At most one save is in flight: the next save, a load,
+                publish run in a thread, one at a time: the next save, a load,
                 ``wait_for_save`` and ``end`` wait for it and raise its error on every rank.
                 Not under Ray Train: use ``checkpoint_upload_mode="async"`` there.
             metrics: under Ray Train, reported with the checkpoint (``ray.train.report``: rank

@@ -78,10 +78,11 @@ HANGS = {
     "between windows": (("--hang-between", "3"), "rank 1 at 3 windows done + 0 micro-step(s)",
                         " while rank 0 reached 3 windows done + 0 micro-step(s), in the "
                         "pre-emption check:"),
-    # rank 1 stops before the save at step 2; rank 0 is in save_state's first collective
+    # rank 1 stops before the save at step 2; rank 0 is in save_state's first collective (the
+    # ranks learn which of them share the run directory: no shared filesystem, issue 40)
     "before a save": (("--hang-before-save", "2"), "rank 1 at 2 windows done + 0 micro-step(s)",
                       " while rank 0 reached 2 windows done + 0 micro-step(s), in "
-                      "acc.save_state, preparing "),
+                      "acc.save_state, finding which ranks share the run directory "),
     # issue 20.10: rank 1's disk stalls inside its checkpoint write at step 2; rank 0 has
     # written its files and waits in DCP's gather (both inside the same save_state phase)
     "in a checkpoint write": (("--hang-in-write", "2"),

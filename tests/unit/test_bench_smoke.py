@@ -45,6 +45,8 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "stress": [sys.executable, "bench/stress.py", "--quick"],
         "sample_seeds": [sys.executable, "bench/sample_seeds.py", "--samples", "128",
                          "--repeats", "1"],
+        "checkpoint": [sys.executable, "bench/checkpoint.py", "--width", "64", "--layers", "2",
+                       "--saves", "2"],
     }
     # One thread each: two processes share the cores instead of fighting over them.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -140,3 +142,12 @@ def test_sample_seeds_table(outputs: dict[str, object]) -> None:
                                     "accumix, TensorDataset"]
     assert rows[0][2] == rows[2][2] == "1.000x"  # each baseline against itself
     assert all(float(r[1]) > 0 for r in rows)
+
+
+def test_checkpoint_table(outputs: dict[str, object]) -> None:
+    headers, rows = parse_table(str(outputs["checkpoint"]))
+    assert headers == ["save", "loop blocked s (median)", "write to published s (median)",
+                       "blocked / in-loop save"]
+    assert [row[0] for row in rows] == ["in the loop", "background"]
+    assert rows[0][3] == "1.000" and all(float(cell) > 0 for row in rows for cell in row[1:])
+    assert "2 saves each" in str(outputs["checkpoint"])

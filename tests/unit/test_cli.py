@@ -16,6 +16,8 @@ import torch
 
 from accumix.cli.launch import plan_launch, slurm_settings, torchrun_args
 from accumix.cli.main import main
+from accumix.common import run_dir as layout
+from accumix.common.locations import location
 from accumix.errors import ConfigError
 from accumix.memory.model import estimate_memory
 from accumix.recipes.gpt import GPT, GPTConfig
@@ -27,13 +29,18 @@ SHORT = ["max_steps=8", "eval_every=4", "checkpoint_every=8", "model.n_layer=1",
          "optimizer.lr=1e-2", "global_batch_size=16", "micro_batch_size=4"]
 
 
-def test_train_default_recipe_on_two_ranks(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def test_train_default_recipe_on_two_ranks(tmp_path: Path, s3_server: dict[str, str],
+                                           s3: str) -> None:
+    # Issue 40: the checkpoints go to the session's S3 (the periodic one in the background);
+    # metrics and plot stay local, in runs/<name> (here under tmp_path).
+    run_dir = tmp_path / "runs" / "cli-s3"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    env.update(s3_server)
     done = subprocess.run(
-        [sys.executable, "-m", "accumix.cli.main", "train", *SHORT, f"output_dir={run_dir}",
-         "nproc=2"], capture_output=True, text=True, timeout=240, env=env)
+        [sys.executable, "-m", "accumix.cli.main", "train", *SHORT, "checkpoint_every=4",
+         "checkpoint_background=true", f"output_dir={s3}/run", "name=cli-s3", "nproc=2"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     with (run_dir / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -44,7 +51,9 @@ def test_train_default_recipe_on_two_ranks(tmp_path: Path) -> None:
     assert rows[3]["val_loss"] and rows[7]["val_loss"] and not rows[0]["val_loss"]
     assert all(float(r["tokens_per_s"]) > 0 and r["skipped"] == "0" for r in rows)
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (run_dir / "latest").exists() and (run_dir / "step-8").is_dir()
+    store = location(f"{s3}/run")
+    assert layout.step_dirs(store) == ["step-4", "step-8"]  # nothing of them on local disk
+    assert (store / "latest").read_text() == "step-8\n" and not (run_dir / "latest").exists()
     assert "2 process(es), strategy ddp" in done.stdout
     assert "validation loss" in done.stdout and "sample:\ndef " in done.stdout
 

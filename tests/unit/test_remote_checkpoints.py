@@ -148,3 +148,47 @@ def test_s3_server_stopped_mid_save_leaves_latest(s3: str, s3_server: dict[str, 
     s3fs.S3FileSystem.clear_instance_cache()
     assert latest_checkpoint(url) == location(url) / "step-1"
     assert layout.step_dirs(location(url)) == ["step-1"]
+
+
+def test_background_saves_one_at_a_time_and_errors_at_the_next_save_and_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import time
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    run_dir = tmp_path / "run"
+    acc = ax.Accelerator(strategy="single", precision="fp32", grad_accum_steps=3, seed=0)
+    objects = build(acc, micro_batch=4)
+    write = FileSystemWriter.write_data
+
+    def slow(self: Any, plan: Any, planner: Any) -> Any:
+        time.sleep(0.5)
+        return write(self, plan, planner)
+
+    def broken(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow)
+    with caplog.at_level(logging.INFO, logger="accumix"):
+        train(acc, objects, epochs=1, save_at={1, 2}, run_dir=run_dir, stop_at=2,
+              background=True)  # the save of step 2 waits for step 1's, and says so
+    assert any("acc.save_state waits for the background save of" in r.getMessage()
+               and "step-1" in r.getMessage() for r in caplog.records)
+    assert acc.wait_for_save() == run_dir / "step-2" and acc.wait_for_save() is None
+    monkeypatch.setattr(FileSystemWriter, "write_data", broken)
+    train(acc, objects, epochs=1, save_at={3}, run_dir=run_dir, stop_at=3, background=True)
+    with pytest.raises(ax.CheckpointError) as failed:  # raised at the next save
+        acc.save_state(run_dir)
+    message = str(failed.value)
+    assert "background save of" in message and "step-3" in message and "No space" in message
+    assert "\n" not in message and (run_dir / "latest").read_text() == "step-2\n"
+    monkeypatch.setattr(FileSystemWriter, "write_data", write)
+    acc.save_state(run_dir, background=True)  # step 3 again, published
+    assert acc.wait_for_save() == run_dir / "step-3"
+    monkeypatch.setattr(FileSystemWriter, "write_data", broken)
+    acc.save_state(run_dir, keep_last=2, background=True)  # fails in flight: raised at end
+    with pytest.raises(ax.CheckpointError, match="background save of"):
+        acc.end()
+    assert (run_dir / "latest").read_text() == "step-3\n"

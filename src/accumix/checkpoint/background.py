@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from accumix.common.pending_save import PendingSave
 from accumix.errors import CheckpointError
 from accumix.runtime import fault
 
@@ -31,29 +29,6 @@ if TYPE_CHECKING:
     from accumix.step.run_state import RunState
 
 log = logging.getLogger("accumix")
-
-
-@dataclass(kw_only=True, eq=False)
-class PendingSave:
-    """One save being written behind the loop."""
-
-    step_dir: Any
-    started: float = field(default_factory=time.perf_counter)
-    error: str | None = None
-    thread: threading.Thread | None = None
-
-    def run(self, work: Callable[[], None]) -> None:
-        def target() -> None:
-            try:
-                work()
-            except BaseException as exc:  # noqa: BLE001 - raised at the next save or at end
-                self.error = f"{type(exc).__name__}: {exc}"
-                log.error("the background save of %s failed: %s", self.step_dir,
-                          self.error)
-
-        # Not a daemon: a script that ends right after a save still publishes it.
-        self.thread = threading.Thread(target=target, name="accumix-save", daemon=False)
-        self.thread.start()
 
 
 def start(run: RunState, step_dir: Any, work: Callable[[], None]) -> PendingSave:

@@ -61,10 +61,11 @@ class _Save:
     tmp: AnyPath
     nodes: NodeLayout
     keep_last: int | None
-    group: Any = None  # the background thread's process group; None: in the loop (default)
+    background: bool = False  # written by the background thread (over ``group``)
+    group: Any = None  # that thread's process group (None: one process)
 
     def agree(self, fn: Callable[[], None] | None, what: str) -> None:
-        _agree(self.run, fn, what, group=self.group)
+        _agree(self.run, fn, what, background=self.background, group=self.group)
 
 
 def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
@@ -119,10 +120,13 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
     if background_write:
         from accumix.checkpoint import dcp_state
 
-        job.group = background.process_group(run)
+        job.background, job.group = True, background.process_group(run)
         with fault.phase(run, "acc.save_state, copying the state to host memory"):
             state = run.strategy.checkpoint_state(run.models, optimizers)
-            written = dcp_state.stage(state, model_dir, nodes=job.nodes, group=job.group)
+            if run.staging_buffers is None:
+                run.staging_buffers = dcp_state.StagingBuffers()
+            written = dcp_state.stage(state, model_dir, nodes=job.nodes, group=job.group,
+                                      buffers=run.staging_buffers)
             del state
     else:
         with fault.phase(run, "acc.save_state, writing the models and optimizers"), \
@@ -134,24 +138,29 @@ def save_state(run: RunState, run_dir: str | os.PathLike[str] | RemotePath,
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
                 raise _write_failed(model_dir, exc) from exc
         _refuse_own_hooks(job, record)
-    _reset_unstepped(optimizers, empty)
-    rng = rng_state.capture(run)
-    with node_copies.per_node(job.nodes):
-        if before_publish is not None:
-            _agree(run, lambda: before_publish(job.tmp),
-                   f"writing the callbacks' files into {job.tmp}")
-    meta = checkpoint_meta.metadata(run, empty)
-    if extra_state is not None:
-        meta["extra_state"] = extra_state
-    if not job.nodes.shared:  # every node writes rank 0's meta.json (with its own manifest)
-        meta = run.strategy.all_gather_object(meta if run.rank == 0 else None)[0]
-        meta["nodes"] = [list(g) for g in job.nodes.groups]
-        meta["ranks_here"] = list(job.nodes.group)
+    try:
+        _reset_unstepped(optimizers, empty)
+        rng = rng_state.capture(run)
+        with node_copies.per_node(job.nodes):
+            if before_publish is not None:
+                _agree(run, lambda: before_publish(job.tmp),
+                       f"writing the callbacks' files into {job.tmp}")
+        meta = checkpoint_meta.metadata(run, empty)
+        if extra_state is not None:
+            meta["extra_state"] = extra_state
+        if not job.nodes.shared:  # every node writes rank 0's meta.json (its own manifest)
+            meta = run.strategy.all_gather_object(meta if run.rank == 0 else None)[0]
+            meta["nodes"] = [list(g) for g in job.nodes.groups]
+            meta["ranks_here"] = list(job.nodes.group)
+    except BaseException:
+        if background_write:  # DCP's thread must be done before another save uses its group
+            written.abandon()
+        raise
 
     def finish() -> None:
         if background_write:
             try:
-                written()
+                written.finish()
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
@@ -191,7 +200,8 @@ def _prepare(run: RunState, where: AnyPath, keep_last: int | None) -> _Save:
         tmp, nodes = final, shared_dir.one_group(run.world_size, rank)
     else:
         tmp = where / f".step-{step}.tmp"
-        with fault.phase(run, f"acc.save_state, finding which ranks share {where}"):
+        phase = f"acc.save_state, finding which ranks share the run directory {where}"
+        with fault.phase(run, phase):
             nodes = shared_dir.probe(where, rank=rank, world_size=run.world_size,
                                      all_gather=run.strategy.all_gather_object)
     job = _Save(run=run, run_dir=where, final=final, tmp=tmp, nodes=nodes, keep_last=keep_last)
@@ -268,20 +278,22 @@ def check_between_windows(run: RunState, what: str) -> None:
         )
 
 
-def _agree(run: RunState, fn: Callable[[], None] | None, what: str, *, group: Any = None
-           ) -> None:
+def _agree(run: RunState, fn: Callable[[], None] | None, what: str, *,
+           background: bool = False, group: Any = None) -> None:
     """Runs ``fn`` here, then every rank learns whether any rank failed (no rank left waiting
-    in a collective the failed one never reaches). ``group``: the background thread's process
-    group (no watchdog phases there: the watchdog follows the loop)."""
+    in a collective the failed one never reaches). ``background``: in the background thread,
+    over its ``group`` (no watchdog phases there: the watchdog follows the loop)."""
     error = None
     if fn is not None:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"{type(exc).__name__}: {exc}"
-    if group is None:
+    if not background:
         with fault.phase(run, f"acc.save_state, {what}"):
             errors = run.strategy.all_gather_object(error)
+    elif group is None:  # one process
+        errors = [error]
     else:
         errors = [None] * run.world_size
         dist.all_gather_object(errors, error, group=group)

@@ -119,7 +119,6 @@ class Accelerator:
         self._optimizer: optax.GradientTransformation | None = None
         self._shardings: TrainState | None = None
         self._loader: WindowLoader | None = None
-        self._pending_save: Any = None  # a background save in flight (checkpoint_save.py)
         self._micro_batch_choice: MicroBatchChoice | None = None
         distributed.check_same_config((self.policy.name, self._batch_sizes, seed,
                                        None if loss_scale is None else repr(loss_scale),

@@ -24,16 +24,17 @@ import os
 import shutil
 import tempfile
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
 
-from accumix.checkpoint.background import PendingSave
 from accumix.common import ray_checkpoint, shared_dir
 from accumix.common import run_dir as layout
 from accumix.common.locations import AnyPath, RemotePath, location
+from accumix.common.pending_save import PendingSave
 from accumix.errors import CheckpointError, ConfigError
 from accumix.jax import checkpoint as ckpt
 from accumix.jax.state import TrainState
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("accumix")
 STAGING_ENV = "ACCUMIX_STAGING_DIR"
+# Each Accelerator's save in flight, at most one (held here: the façade stays as it is).
+_PENDING: weakref.WeakKeyDictionary[Any, PendingSave] = weakref.WeakKeyDictionary()
 
 
 def save(acc: Accelerator, run_dir: Any, state: TrainState, *, keep_last: int | None,
@@ -104,7 +107,7 @@ def save(acc: Accelerator, run_dir: Any, state: TrainState, *, keep_last: int | 
             layout.publish(where, tmp, final, meta, keep_last)
 
     if background:
-        acc._pending_save = pending = PendingSave(step_dir=final)
+        _PENDING[acc] = pending = PendingSave(step_dir=final)
         pending.run(write_and_publish)
         return final
     write_and_publish()
@@ -139,10 +142,9 @@ def finish(acc: Accelerator, why: str) -> Any:
     Raises:
         CheckpointError: it failed on some process (every process raises it).
     """
-    pending: PendingSave | None = getattr(acc, "_pending_save", None)
+    pending = _PENDING.pop(acc, None)
     if pending is None:
         return None
-    acc._pending_save = None
     assert pending.thread is not None
     if pending.thread.is_alive() and acc.is_main_process:
         log.info("%s waits for the background save of %s (at most one in flight)", why,

@@ -87,6 +87,7 @@ class RunState:
     # checkpoints written behind the loop (checkpoint/background.py)
     pending_save: Any = None  # the save in flight, at most one
     checkpoint_group: Any = None  # the checkpoint thread's own process group
+    staging_buffers: Any = None  # the host-memory copy of the state, reused save to save
     timeout: float | None = None  # seconds a collective may wait (the Accelerator's)
 
     @property
