@@ -96,6 +96,12 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     assert [r["chosen"] for r in _results(tmp_path, "auto")] == [4, 4]
     assert [r["grad_accum_steps"] for r in _results(tmp_path, "auto")] == [4, 4]
 
+    # Issue 38 case 4: SIGTERM to process 1 alone, epochs of 2 windows (fewer than the
+    # Trainer's 10-step read): both agree at the epoch's end, save step-2 and stop with 143
+    # (before: no agreement there, both trained on to max_steps=6 and saved nothing).
+    assert _results(tmp_path, "preempted") == [
+        {"stopped": [143, 2], "step": 2, "latest": "step-2"}] * 2
+
     _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "resume"], devices=2)
     resumed = _results(tmp_path, "resume")
     assert [(r["loaded_step"], r["bitwise"]) for r in resumed] == [(2, True), (2, True)]
