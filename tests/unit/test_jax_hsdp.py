@@ -3,7 +3,8 @@
 One subprocess runs ``tests/scripts/jax_hsdp.py`` on 4 host devices as 2 simulated nodes of 2
 (XLA_FLAGS must be set before jax is imported): exactness, the compiled HLO's placement and
 bytes, checkpoints across layouts, the lowered HLO's 16-bit operands, the error against float64,
-an fp16 overflow on the wire. The rest runs on conftest's 2 devices and compiles nothing.
+an fp16 overflow on the wire, item mode on an fp16 wire. The rest runs on conftest's 2 devices
+and compiles nothing.
 (The 2-process job, ``tests/distributed/test_jax_processes.py``, trains hsdp with
 ``replicas=None`` over 2 processes; the memory against ``memory_analysis()`` is in
 ``test_jax_fsdp.py``'s 4-device job.)
@@ -97,6 +98,13 @@ def test_hsdp_and_reduce_dtype_on_two_simulated_nodes(tmp_path: Path) -> None:
     # every device, the scale backs off, the params stay finite.
     assert r["fp16"] == {"skipped": [False, True, False], "steps": 2,
                          "scales": [8.0, 4.0, 4.0], "finite": True}, r["fp16"]
+    # Issue 38 case 5: item mode on an fp16 wire at the default scale 65536 (windows of 4, 4,
+    # 4, 2): the wire carried scale x the gradient of the window's loss sum (windows skipped,
+    # the scale backing off, params far off); normalised, none skips and the params stay on
+    # the fp32 large batch (fp16 compute).
+    assert set(r["fp16_items"]) == {"ddp", "hsdp", "hsdp-defer"}
+    for name, got in r["fp16_items"].items():
+        assert (got["skipped"], got["scale"]) == (0, 65536.0) and got["diff"] < 1e-4, (name, got)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -135,13 +143,16 @@ def test_reduce_dtype_words_effective_dtypes_and_the_fp16_refusal() -> None:
         axj.Accelerator(strategy="ddp", precision="fp32", reduce_dtype="int8")
 
 
-def test_the_wire_divides_before_the_cast_and_float32_is_the_identity() -> None:
+def test_the_wire_casts_and_float32_is_the_identity() -> None:
+    """The wire only casts: what it is given is normalised already (the step weighs each
+    micro-step by its share of the window's mean, ``accumix.jax.wire``; the numbers are
+    ``fp16_items`` above)."""
     g = jnp.asarray([60000.0, 3.0, -1.0], jnp.float32)
-    assert Wire().send(g) is g and Wire().finish(g) is g  # the default: nothing at all
+    assert Wire().send(g) is g and Wire().receive(g, g) is g  # the default: nothing at all
     fp16 = Wire("float16", 4)
-    sent = fp16.send(g)  # 4 shares of 60000 summed in fp16 overflow; divided first they fit
-    assert sent.dtype == jnp.float16 and float(sent[0]) == 15000.0
-    assert float(fp16.finish(fp16.receive(sent * 4, g))[0]) == 240000.0
+    sent = fp16.send(g)
+    assert sent.dtype == jnp.float16 and float(sent[0]) == 60000.0
+    assert fp16.receive(sent, g).dtype == jnp.float32
     complex_g = jnp.asarray([1 + 2j], jnp.complex64)
     assert fp16.send(complex_g) is complex_g  # complex leaves travel as they are
 
