@@ -204,3 +204,38 @@ def test_memory_rows_auto_and_estimate_memory_know_hsdp(capsys) -> None:
     from accumix.cli.train import load_train_config
 
     assert load_train_config(["backend=jax", "reduce_dtype=bf16"]).reduce_dtype == "bf16"
+
+
+def test_estimate_memory_on_jax_takes_grad_accum_steps(capsys, monkeypatch) -> None:
+    """Issue 38 case 9: ``--grad-accum-steps`` was ignored on JAX ("every micro-step: K x
+    that"; the recipe's own K for the window and the compiled steps): the per-micro-step
+    traffic is sized for it as on torch, and the recipe's window and steps use it."""
+    from accumix.cli import estimate_memory
+    from accumix.cli.main import main
+
+    args = ["estimate-memory", "--params", "1e7", "--world-size", "4", "--nodes", "2",
+            "--grad-accum-steps", "16", "--device-gib", "1"]
+    assert main([*args, "--backend", "torch"]) == 0
+    torch_line = capsys.readouterr().out.splitlines()[-2]
+    assert main([*args, "--backend", "jax"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert ", K=16, " in out[0], out[0]
+    assert "hsdp's reduce-scatter every micro-step: 16 x that (610.4 MiB)" in out[-2], out[-2]
+    assert torch_line.endswith("16 x that (610.4 MiB))"), torch_line
+    # The recipe (no --params): the compiled steps (recorded, not compiled here) and the
+    # window take K=16, not the recipe's global 16 / (2 devices x 4 rows) = 2.
+    asked = []
+
+    def activations(config, params, optimizer, devices, precision, grad_accum_steps=None):
+        asked.append(grad_accum_steps)
+        return dict.fromkeys(("single", "ddp", "zero1", "fsdp", "fsdp-sync"), 0), "recorded"
+    monkeypatch.setattr(estimate_memory, "_jax_activations", activations)
+    recipe = ["backend=jax", "model.n_layer=1", "model.n_embd=64", "model.n_head=2",
+              "model.block_size=32", "micro_batch_size=4", "global_batch_size=16"]
+    for k, window in ((None, 2), (16, 16)):
+        more = ["--grad-accum-steps", str(k)] if k else []
+        assert main(["estimate-memory", *recipe, "--world-size", "2", "--device-gib", "1",
+                     *more]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert f"K={window};" in out[0] and f"{window} x that" in out[-2], out
+    assert asked == [None, 16]
