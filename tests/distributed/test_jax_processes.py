@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.golden import matches_golden
+
 pytest.importorskip("jax")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,11 +70,15 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
         assert all(d < 1e-6 for d in r["uneven_strategies"].values()), r["uneven_strategies"]
     assert trained[0]["uneven_strategy_params"] == trained[1]["uneven_strategy_params"]
     # Issue 33: the default reduce dtype changes nothing: the params of the code before it
-    # (1dc272f), bit for bit (floats written by json round-trip exactly).
+    # (1dc272f), recorded on another machine, so within float32 rounding (tests/golden; issue
+    # 38: bitwise failed on a CPU with AVX-512, 0.04408497 for 0.04408493).
     golden = json.loads((ROOT / "tests" / "golden" / "pre_jax33" /
                          "uneven_strategy_params.json").read_text())
+    assert set(golden) == {"ddp", "zero1", "fsdp", "fsdp-sync"}  # hsdp came after it
     for name, params in golden.items():
-        assert trained[0]["uneven_strategy_params"][name] == params, name
+        got = trained[0]["uneven_strategy_params"][name]
+        assert got.keys() == params.keys() and all(
+            matches_golden(params[k], got[k]) for k in params), name
     assert [r["single_object"] for r in trained] == [trained[0]["single"]] * 2
     # acc.eval_step with 5 rows on one process and 3 on the other (and 3 against 1), both
     # loss modes: the sums of every row once (before: unequal local shapes, an error).
