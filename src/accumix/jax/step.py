@@ -10,9 +10,13 @@
                                                  #   fp16: scale * loss_sum_i / n_i, then x n_i
                                                  #   (fsdp: gathered at each use, and the backward
                                                  #   adds into acc itself, accumix.jax.gather)
+                                                 # 16-bit wire: x n_i / N instead (item mode, N
+                                                 #   counted before the scan) or x 1 / M (mean
+                                                 #   mode): acc holds its share of the mean
         grads = psum | psum_scatter(acc)         # ONE reduction per window, after the scan
     grads /= scale * (N items | valid micro-steps over devices)   # one division, at the end
-                                                 # (no items: zero gradients, not 0/0)
+                                                 # (no items: zero gradients, not 0/0; a 16-bit
+                                                 #   wire: / scale only, accumix.jax.wire)
     found_inf = not all(isfinite(grads))         # global: every device decides alike
     norm = global_norm(grads); clip               # torch's clip_grad_norm_ coefficient
     params, opt_state = found_inf ? kept : optax update    # bit-identical when skipped
