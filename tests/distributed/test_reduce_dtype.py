@@ -7,8 +7,7 @@
 * its result equals plain PyTorch that sums each rank's window in float32 and casts once for
   the reduction (``tests/reduce_jobs.py``), bit for bit: K micro-steps round once (fsdp's
   ``sync_each_microstep`` and ZeRO-2 K times, as they state);
-* an fp16 reduction that overflows on one rank skips the step on both; item mode on an fp16
-  wire carries the window's mean, not K times it (issue 38);
+* an fp16 reduction that overflows on one rank skips the step on both;
 * the edges: a parameter outside the model, two models (one unused on the boundary micro-step),
   two backward calls through one synced forward (a GAN's discriminator), K=1 and K=16,
   bf16-mixed with a bf16 reduction, resume.
@@ -173,38 +172,6 @@ def _overflow(word: str, reduce_dtype: str) -> dict[str, Any]:
     return out
 
 
-# -- item mode on an fp16 wire (issue 38 case 5) -------------------------------------------------
-def _fp16_items(wire: str) -> dict[str, Any]:
-    """ddp, fp16-mixed, item mode (``num_items=``), K=32, 4 windows at the default scale: the
-    loss was divided by the items per backward, so each rank's window held K x the mean's
-    gradient and a 16-bit wire overflowed where mean mode's (loss / K) did not."""
-    k = 32
-    acc = ax.Accelerator(strategy="ddp", precision="fp16-mixed", grad_accum_steps=k,
-                         reduce_dtype=wire)
-    torch.manual_seed(0)
-    model = nn.Linear(8, 1)
-    with torch.no_grad():
-        model.weight.mul_(0.3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, opt = acc.setup(model, opt)
-    gen = torch.Generator().manual_seed(acc.rank)
-    skipped = 0
-    for _ in range(4):
-        for _ in range(k):
-            x, y = 0.1 * torch.randn(4, 32, 8, generator=gen), 0.1 * torch.randn(4, 32,
-                                                                                generator=gen)
-            with acc.accumulate():
-                err = (model(x)[..., 0] - y) ** 2
-                acc.backward(err.sum(), num_items=err.numel())
-                opt.step()
-                opt.zero_grad()
-        skipped += acc.step_was_skipped
-    out = {"skipped": skipped, "scale": acc.loss_scale,
-           "params": [p.flatten().tolist() for p in rj.full_params(acc, model)]}
-    acc.end()
-    return out
-
-
 # -- two models, the second unused on the boundary micro-step ---------------------------------
 def _two_models() -> float:
     """ddp, bf16 reduction: model b's window is reduced by accumix itself at the boundary
@@ -354,7 +321,6 @@ def _all_checks(tmp: str) -> dict[str, Any]:
         "exact": _exact(),
         "overflow": {f"{word}-{r}": _overflow(word, r) for word in ("ddp", "zero1", "fsdp")
                      for r in ("fp16", "fp32")},
-        "fp16_items": {wire: _fp16_items(wire) for wire in ("fp16", "fp32")},
         "two_models": _two_models(),
         "second_backward": {word: _second_backward(word) for word in ("ddp", "zero1")},
         "k_edges": _k_edges(),
@@ -423,20 +389,6 @@ def test_fp16_overflow_on_one_rank_skips_on_both(results: list[dict[str, Any]]) 
             assert runs[0]["steps"] == 3 and runs[0]["scale"] == 8.0, (key, runs[0])
         else:  # float32 carries it: no skip (the control)
             assert runs[0]["skipped"] == [False] * 4 and runs[0]["steps"] == 4, (key, runs[0])
-
-
-def test_fp16_wire_in_item_mode_carries_the_mean_not_k_times_it(results: list[dict[str, Any]]
-                                                                  ) -> None:
-    """Issue 38 case 5 on torch: K=32, item mode; before, 2 of 4 windows skipped on the fp16
-    wire (the scale backed off to 32768, params 1.2e-3 off the float32 wire's run) where the
-    float32 wire skipped none; now none, 3.5e-8 off."""
-    for res in results:
-        got = res["fp16_items"]
-        assert [(got[w]["skipped"], got[w]["scale"]) for w in ("fp16", "fp32")] == [
-            (0, 65536.0), (0, 65536.0)], {w: got[w]["skipped"] for w in got}
-        diff = max(abs(a - b) for x, y in zip(got["fp16"]["params"], got["fp32"]["params"],
-                                              strict=True) for a, b in zip(x, y, strict=True))
-        assert diff < 1e-4, diff  # the fp16 wire's rounding only
 
 
 def test_two_models_and_resume(results: list[dict[str, Any]]) -> None:

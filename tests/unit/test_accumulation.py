@@ -63,7 +63,7 @@ def test_boundary_factor_mean_mode_short_window() -> None:
         win.begin()
         assert win.loss_multiplier(None) == 0.25
     # two of four micro-steps: the sum of loss/4 is corrected to the mean over 2, unscaled.
-    factor = win.boundary_factor(num_items=0, loss_scale=8.0, grad_divisor=1,
+    factor = win.boundary_factor(num_items=0, backwards=2, loss_scale=8.0, grad_divisor=1,
                                  all_reduce=None, dynamic_scale=True, device=None)
     assert factor == 4 / (2 * 8.0)
 
@@ -73,18 +73,14 @@ def test_boundary_factor_item_mode_and_fp16_hint() -> None:
     for n in (30, 10):
         win.begin()
         assert win.loss_multiplier(n) == 1.0
-    f = win.boundary_factor(num_items=win.num_items, loss_scale=4.0,
+    f = win.boundary_factor(num_items=win.num_items, backwards=2, loss_scale=4.0,
                             grad_divisor=1, all_reduce=None, dynamic_scale=True, device=None)
     assert f == 1 / (4.0 * 40)
-    # Next window's losses are divided by this window's items per rank (issue 38: by the
-    # count per backward, 20, a 16-bit wire carried K times the mean's gradient).
-    assert win.items_hint == 40.0
+    assert win.items_hint == 20.0  # next window's losses are divided by the mean count
     win.end()
     win.begin()
-    assert win.loss_multiplier(5) == 1 / 40.0
-    first = AccumulationWindow(4)
-    first.set_first_hint(6)  # the first backward's count, as if each of the K counted as many
-    assert first.items_hint == first.window_hint == 24.0
+    # and by K (issue 38: the window's sum is about its mean, as in mean mode)
+    assert win.loss_multiplier(5) == 1 / (20.0 * 2)
 
 
 def test_mixing_modes_in_a_window_is_an_error() -> None:

@@ -42,14 +42,14 @@ class AccumulationWindow:
         self.end_of_data = False  # set by a set-up loader when it yields its last batch
         self.mode: str | None = None  # "mean" | "items", fixed per window
         self.num_items: Number | torch.Tensor = 0
-        # Item mode under fp16: the loss is divided by the last window's item count per rank
-        # so a summed loss does not overflow fp16, neither in the backward nor on a 16-bit
-        # wire (each rank's gradients then hold about its share of the window's mean, as
-        # mean mode's loss / K does; per backward instead, the wire carried K times that:
-        # issue 38); undone exactly at the boundary. ``items_hint`` is the next window's (0: no
-        # count seen yet, then the first backward's count times K is used: issue 15 item 8);
-        # ``window_hint`` stays fixed within a window, since every backward and every finalize
-        # of the window must use the same one.
+        # Item mode under fp16: the loss is divided by the last window's mean item count per
+        # backward and by K, so a summed loss does not overflow fp16 and the window's sum is
+        # about its mean, as in mean mode (divided by the count alone, the window carried K
+        # times mean mode's gradient to a 16-bit wire: K=4 skipped 3 of 10 steps where mean
+        # mode skipped none, issue 38); undone exactly at the boundary. ``items_hint`` is the
+        # next window's count per backward (0: no count seen yet, then the first backward's
+        # count is used: issue 15 item 8); ``window_hint`` (with K) stays fixed within a
+        # window, since every backward and every finalize of the window must use the same one.
         self.items_hint = 0.0
         self.window_hint = 1.0
 
@@ -59,7 +59,7 @@ class AccumulationWindow:
             self.index += 1
             self.mode = None
             self.num_items = 0
-            self.window_hint = self.items_hint or 1.0
+            self.window_hint = self._hint_of_window()
         self.micro_step += 1
         self.size = self.micro_step
         self.is_boundary = self.micro_step >= self.grad_accum_steps or self.end_of_data
@@ -91,7 +91,7 @@ class AccumulationWindow:
         self.num_items = (torch.tensor(items, dtype=torch.float64)
                           if state["num_items_is_tensor"] else items)
         self.items_hint = float(state["items_hint"])
-        self.window_hint = self.items_hint or 1.0
+        self.window_hint = self._hint_of_window()
         self.is_boundary, self.end_of_data = bool(state["is_boundary"]), False
 
     def needs_first_hint(self, num_items: Number | torch.Tensor | None, dynamic_scale: bool
@@ -101,9 +101,14 @@ class AccumulationWindow:
         return dynamic_scale and num_items is not None and not self.items_hint
 
     def set_first_hint(self, items: float) -> None:
-        """The first window's hint from its first backward's count (the same on every rank:
-        the caller agrees it), as if each of the K backwards counted as many."""
-        self.items_hint = self.window_hint = max(float(items) * self.grad_accum_steps, 1.0)
+        """The first window's hint (the same on every rank: the caller agrees it)."""
+        self.items_hint = max(float(items), 1.0)
+        self.window_hint = self._hint_of_window()
+
+    def _hint_of_window(self) -> float:
+        """What every item-weighted loss of a window is divided by: the count per backward
+        times K under fp16 (``items_hint``), else 1 (nothing to keep from overflowing)."""
+        return self.items_hint * self.grad_accum_steps if self.items_hint else 1.0
 
     def loss_multiplier(self, num_items: Number | torch.Tensor | None) -> float:
         """Records one backward; returns what its loss is multiplied by before the loss scale."""
@@ -123,7 +128,7 @@ class AccumulationWindow:
         return 1.0 / self.window_hint
 
     def boundary_factor(
-        self, *, num_items: Number | torch.Tensor, loss_scale: float,
+        self, *, num_items: Number | torch.Tensor, backwards: int, loss_scale: float,
         grad_divisor: int, all_reduce, dynamic_scale: bool, device: torch.device,
     ) -> float | torch.Tensor:
         """What one optimizer's summed gradients are multiplied by at the boundary.
@@ -131,6 +136,7 @@ class AccumulationWindow:
         Args:
             num_items: the items of the backward calls that reached these gradients (item
                 mode), on this rank.
+            backwards: how many backward calls reached them (the next fp16 hint's divisor).
             loss_scale: the scale the losses of this window were multiplied by.
             grad_divisor: the number of ranks the backend averaged gradients over.
             all_reduce: ``fn(tensor, op) -> tensor`` summing over data-parallel ranks.
@@ -153,7 +159,7 @@ class AccumulationWindow:
             items = all_reduce(items, "sum")
         hint = self.window_hint
         if dynamic_scale:  # the host sync rides on the found_inf read that fp16 does anyway
-            self.items_hint = max(float(items) / grad_divisor, 1.0)
+            self.items_hint = max(float(items) / (grad_divisor * max(backwards, 1)), 1.0)
         if isinstance(items, torch.Tensor):
             # All padding gives zero gradients: any finite factor is right, inf would poison.
             return (grad_divisor * hint / loss_scale) / items.clamp_min(1e-30)

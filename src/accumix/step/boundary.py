@@ -257,6 +257,7 @@ def finalize(run: RunState, optimizers: Sequence[AcceleratedOptimizer]) -> None:
         if params or ledger is None:
             factor = window.boundary_factor(
                 num_items=state.num_items,
+                backwards=state.backwards,
                 loss_scale=scaler.scale,
                 grad_divisor=strategy.grad_divisor,
                 all_reduce=strategy.all_reduce,
