@@ -32,6 +32,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # answer ask for it (the ``cpu_bf16`` fixture).
 os.environ["ACCUMIX_CPU_BF16"] = "0"
 
+# A cluster engine's variables (the suite run inside a Kubernetes pod or on a SkyPilot node)
+# would make every launch and every spawned rank join the engine's job: the tests that want
+# them set them.
+for _name in [n for n in os.environ if n.startswith(("PET_", "SKYPILOT_")) or n in (
+        "KUBERNETES_SERVICE_HOST", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+        "JAX_COORDINATOR_ADDRESS")]:
+    del os.environ[_name]
+
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
