@@ -3,7 +3,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/scripts/jax_hsdp.py OUT_DIR
 
 Prints one JSON object (the last line) that ``tests/unit/test_jax_hsdp.py`` asserts on. Each
-step is compiled once (``lower().compile()``, then that executable runs), 7 compilations in all:
+step is compiled once (``lower().compile()``, then that executable runs), 10 compilations in all:
 
     default     hsdp, item mode, K=4: 3 windows (the last short) vs the one-device large batch;
                 where its collectives run and over which devices (compiled HLO); saved at
@@ -15,6 +15,8 @@ step is compiled once (``lower().compile()``, then that executable runs), 7 comp
                 hsdp, hsdp-defer: the gradient collectives' operand dtypes
     error       ddp with reduce_dtype bf16 at K=1 and K=16 and fp32 at K=16 vs float64
     fp16        hsdp, fp16-mixed, reduce_dtype fp16: an overflow in one device's rows skips
+    fp16_items  ddp, hsdp, hsdp-defer, fp16-mixed, reduce_dtype fp16, item mode at the
+                default scale: no window skipped, the large batch's params
 """
 
 from __future__ import annotations
@@ -217,12 +219,49 @@ def fp16_wire(result: dict[str, Any]) -> None:
                                          for x in jax.tree.leaves(state.params)))}
 
 
+def fp16_item_wire(result: dict[str, Any]) -> None:
+    """Issue 38 case 5: fp16-mixed, reduce_dtype fp16, item mode (``(loss_sum, num_items)``),
+    the default loss scale (65536), K=4, windows of 4, 4, 4 and 2 micro-batches: the wire
+    carried scale x the gradient of the window's loss *sum* and overflowed (windows skipped
+    while the scale backed off); normalised, none skips and the run stays on the fp32 large
+    batch. The three ways a gradient reaches the wire: accumulated then all-reduced (ddp, as
+    zero1), accumulated in the backward then reduce-scattered once (hsdp-defer, as fsdp), and
+    reduce-scattered every micro-step (hsdp, as fsdp-sync); hsdp's cross-node all-reduce too."""
+    k = 4
+    # 8 rows per device, values scaled so that each device's micro-step mean gradient x 65536
+    # fits fp16 (the compute does not overflow); the window's loss-sum gradient does not.
+    batches = [{**b, "x": b["x"] * 0.3, "y": b["y"] * 0.3}
+               for b in w.micro_batches(3 * k + 2, rows=4 * ROWS, seed=21)]
+    windows = windows_of(batches, k)
+    ref = w.reference(windows, items=True)
+    out = {}
+    for name in ("ddp", "hsdp", "hsdp-defer"):
+        strategy: Any = {"fsdp-sync": axj.FSDPStrategy(sync_each_microstep=True),
+                         "hsdp": axj.HSDPStrategy(replicas=2),
+                         "hsdp-defer": axj.HSDPStrategy(replicas=2, defer_reduce_scatter=True)
+                         }.get(name, name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            acc = axj.Accelerator(strategy=strategy, precision="fp16-mixed", grad_accum_steps=k,
+                                  reduce_dtype="fp16")
+        state = acc.setup(w.init_params(), w.optimizer())
+        step = compiled(acc, state, acc.train_step(w.item_loss), windows[0])
+        skipped = 0
+        for window in windows:
+            state, metrics = step(state, acc.window(window))
+            skipped += bool(metrics["skipped"])
+        out[name] = {"skipped": skipped, "scale": float(metrics["loss_scale"]),
+                     "diff": w.max_diff(state.params, ref)}
+    result["fp16_items"] = out
+
+
 def main(out: Path) -> None:
     result: dict[str, Any] = {}
     run_hsdp(out, result)
     wire_dtypes(result)
     reduction_error(result)
     fp16_wire(result)
+    fp16_item_wire(result)
     print(json.dumps(result))
 
 

@@ -3,7 +3,8 @@
     python jax_train.py OUT_DIR train    # ddp and fsdp vs the large batch; fsdp saves at step 2;
                                          # every strategy object (built before JAX starts) on
                                          # windows of 4 and 3 micro-batches; then a torch
-                                         # DataLoader per process, saved mid-epoch
+                                         # DataLoader per process, saved mid-epoch; the
+                                         # Trainer pre-empted on process 1 alone
     python jax_train.py OUT_DIR resume   # loads both saves, continues; writes the params;
                                          # a save to a directory per process is refused
     python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError (process
@@ -342,6 +343,48 @@ def auto_choice(out: Path) -> None:
         {"chosen": chosen, "grad_accum_steps": acc.grad_accum_steps}))
 
 
+class SignalingRows(Rows):
+    """``Rows`` whose first read on process 1 sends that process SIGTERM (a pre-emption of one
+    process, while its first window loads)."""
+
+    sent = False
+
+    def __getitem__(self, i: int):
+        if jax.process_index() == 1 and not SignalingRows.sent:
+            import signal
+
+            SignalingRows.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().__getitem__(i)
+
+
+def preempted_trainer(out: Path) -> None:
+    """Issue 38 case 4: the JAX Trainer on epochs of 2 windows (fewer than its 10-step read),
+    SIGTERM to process 1 alone during step 1: both processes agree at the first epoch's end,
+    save step-2 and stop with status 143 (before: the epoch's end read skipped the agreement,
+    both trained on to max_steps=6 and saved nothing)."""
+    import torch
+
+    import accumix as ax
+    from accumix.trainer import Trainer
+    from accumix.trainer.jax_steps import JaxSteps
+
+    acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=K, seed=5)
+    state, windows = acc.setup(w.init_params(), w.optimizer(),
+                               torch.utils.data.DataLoader(SignalingRows(), batch_size=4))
+    steps = JaxSteps(accelerator=acc, state=state, train_windows=windows, loss_fn=w.item_loss)
+    trainer = Trainer(steps=steps, max_steps=6, run_dir=out / "preempted", loggers=[],
+                      progress_bar=False, system_metrics_every=None)
+    try:
+        trainer.fit()
+        result = {"stopped": None, "step": trainer.step}
+    except ax.Preempted as exc:
+        result = {"stopped": [exc.code, exc.step], "step": trainer.step}
+    result["latest"] = (out / "preempted" / "latest").read_text().strip() \
+        if (out / "preempted" / "latest").exists() else None
+    (out / f"preempted-{jax.process_index()}.json").write_text(json.dumps(result))
+
+
 def take_coordinator_port(out: Path) -> None:
     """Process 0, before JAX starts: another program binding the coordinator's port now (the
     seconds between the launch and rank 0's bind) must be refused; it was not, and rank 0
@@ -443,6 +486,7 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
         train_with_loader(out, "loader" if mode == "train" else "loader-resume")
     if mode == "train" and acc.world_size > 1:
         auto_choice(out)
+        preempted_trainer(out)
 
 
 if __name__ == "__main__":

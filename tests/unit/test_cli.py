@@ -58,10 +58,14 @@ def test_train_default_recipe_on_two_ranks(tmp_path: Path, s3_server: dict[str, 
     assert "validation loss" in done.stdout and "sample:\ndef " in done.stdout
 
 
-def test_env_reports_devices_precision_and_world(capsys: pytest.CaptureFixture[str]) -> None:
+def test_env_reports_devices_precision_and_world(capsys: pytest.CaptureFixture[str],
+                                                 cpu_bf16: bool) -> None:
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "precision auto" in out and "launcher        none: rank 0 of world 1" in out
+    said = "native" if cpu_bf16 else "emulated (slower than fp32)"
+    assert f"cpu bf16        {said}\n" in out, out
+    assert f"precision auto  {'bf16-mixed' if cpu_bf16 else 'fp32'} on cpu\n" in out, out
 
 
 def test_estimate_memory_table_and_auto_choice(capsys: pytest.CaptureFixture[str]) -> None:

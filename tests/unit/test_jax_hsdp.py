@@ -3,7 +3,8 @@
 One subprocess runs ``tests/scripts/jax_hsdp.py`` on 4 host devices as 2 simulated nodes of 2
 (XLA_FLAGS must be set before jax is imported): exactness, the compiled HLO's placement and
 bytes, checkpoints across layouts, the lowered HLO's 16-bit operands, the error against float64,
-an fp16 overflow on the wire. The rest runs on conftest's 2 devices and compiles nothing.
+an fp16 overflow on the wire, item mode on an fp16 wire. The rest runs on conftest's 2 devices
+and compiles nothing.
 (The 2-process job, ``tests/distributed/test_jax_processes.py``, trains hsdp with
 ``replicas=None`` over 2 processes; the memory against ``memory_analysis()`` is in
 ``test_jax_fsdp.py``'s 4-device job.)
@@ -97,6 +98,13 @@ def test_hsdp_and_reduce_dtype_on_two_simulated_nodes(tmp_path: Path) -> None:
     # every device, the scale backs off, the params stay finite.
     assert r["fp16"] == {"skipped": [False, True, False], "steps": 2,
                          "scales": [8.0, 4.0, 4.0], "finite": True}, r["fp16"]
+    # Issue 38 case 5: item mode on an fp16 wire at the default scale 65536 (windows of 4, 4,
+    # 4, 2): the wire carried scale x the gradient of the window's loss sum (windows skipped,
+    # the scale backing off, params far off); normalised, none skips and the params stay on
+    # the fp32 large batch (fp16 compute).
+    assert set(r["fp16_items"]) == {"ddp", "hsdp", "hsdp-defer"}
+    for name, got in r["fp16_items"].items():
+        assert (got["skipped"], got["scale"]) == (0, 65536.0) and got["diff"] < 1e-4, (name, got)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -116,32 +124,45 @@ def test_degenerate_meshes_are_refused_in_one_line(kwargs, match) -> None:
         axj.HSDPStrategy(replicas=0)
 
 
-def test_reduce_dtype_words_effective_dtypes_and_the_fp16_refusal() -> None:
+def test_reduce_dtype_words_effective_dtypes_and_the_fp16_refusal(cpu_bf16: bool) -> None:
+    """On a CPU with native bf16 (faked: issue 38, the suite assumed none) and without: the
+    "emulated" warning for bf16 comes only without it."""
+    import warnings
+
     acc = axj.Accelerator(strategy="fsdp", precision="fp32", reduce_dtype="bf16")
     assert acc.effective_dtypes.as_params() == {
         "dtype_params": "float32", "dtype_compute": "float32",
         "dtype_accumulation": "float32", "dtype_reduction": "bfloat16",
         "dtype_masters": "float32", "dtype_reductions": "once per optimizer step"}
     assert acc.strategy.wire == Wire("bfloat16", 2)
-    with pytest.warns(UserWarning, match="emulated"):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         true = axj.Accelerator(strategy="ddp", precision="bf16-true")
+    assert ["emulated" in str(w.message) for w in said] == ([] if cpu_bf16 else [True])
     assert true.effective_dtypes.reduction == "float32"  # the default: what JAX reduced in
     assert axj.Accelerator(strategy="single", precision="fp32",
                            reduce_dtype=jnp.bfloat16).effective_dtypes.reduction == "none"
     with pytest.raises(ConfigError, match=r"reduce_dtype='fp16' needs loss scaling.*'bf16'"), \
-            pytest.warns(UserWarning, match="emulated"):
+            warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         axj.Accelerator(strategy="ddp", precision="bf16-mixed", reduce_dtype="fp16")
+    assert ["emulated" in str(w.message) for w in said] == ([] if cpu_bf16 else [True])
+    assert axj.Accelerator(strategy="ddp", precision="auto").policy.name == (
+        "bf16-mixed" if cpu_bf16 else "fp32")
     with pytest.raises(ConfigError, match="reduce_dtype='int8' is invalid"):
         axj.Accelerator(strategy="ddp", precision="fp32", reduce_dtype="int8")
 
 
-def test_the_wire_divides_before_the_cast_and_float32_is_the_identity() -> None:
+def test_the_wire_casts_and_float32_is_the_identity() -> None:
+    """The wire only casts: what it is given is normalised already (the step weighs each
+    micro-step by its share of the window's mean, ``accumix.jax.wire``; the numbers are
+    ``fp16_items`` above)."""
     g = jnp.asarray([60000.0, 3.0, -1.0], jnp.float32)
-    assert Wire().send(g) is g and Wire().finish(g) is g  # the default: nothing at all
+    assert Wire().send(g) is g and Wire().receive(g, g) is g  # the default: nothing at all
     fp16 = Wire("float16", 4)
-    sent = fp16.send(g)  # 4 shares of 60000 summed in fp16 overflow; divided first they fit
-    assert sent.dtype == jnp.float16 and float(sent[0]) == 15000.0
-    assert float(fp16.finish(fp16.receive(sent * 4, g))[0]) == 240000.0
+    sent = fp16.send(g)
+    assert sent.dtype == jnp.float16 and float(sent[0]) == 60000.0
+    assert fp16.receive(sent, g).dtype == jnp.float32
     complex_g = jnp.asarray([1 + 2j], jnp.complex64)
     assert fp16.send(complex_g) is complex_g  # complex leaves travel as they are
 
@@ -193,3 +214,38 @@ def test_memory_rows_auto_and_estimate_memory_know_hsdp(capsys) -> None:
     from accumix.cli.train import load_train_config
 
     assert load_train_config(["backend=jax", "reduce_dtype=bf16"]).reduce_dtype == "bf16"
+
+
+def test_estimate_memory_on_jax_takes_grad_accum_steps(capsys, monkeypatch) -> None:
+    """Issue 38 case 9: ``--grad-accum-steps`` was ignored on JAX ("every micro-step: K x
+    that"; the recipe's own K for the window and the compiled steps): the per-micro-step
+    traffic is sized for it as on torch, and the recipe's window and steps use it."""
+    from accumix.cli import estimate_memory
+    from accumix.cli.main import main
+
+    args = ["estimate-memory", "--params", "1e7", "--world-size", "4", "--nodes", "2",
+            "--grad-accum-steps", "16", "--device-gib", "1"]
+    assert main([*args, "--backend", "torch"]) == 0
+    torch_line = capsys.readouterr().out.splitlines()[-2]
+    assert main([*args, "--backend", "jax"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert ", K=16, " in out[0], out[0]
+    assert "hsdp's reduce-scatter every micro-step: 16 x that (610.4 MiB)" in out[-2], out[-2]
+    assert torch_line.endswith("16 x that (610.4 MiB))"), torch_line
+    # The recipe (no --params): the compiled steps (recorded, not compiled here) and the
+    # window take K=16, not the recipe's global 16 / (2 devices x 4 rows) = 2.
+    asked = []
+
+    def activations(config, params, optimizer, devices, precision, grad_accum_steps=None):
+        asked.append(grad_accum_steps)
+        return dict.fromkeys(("single", "ddp", "zero1", "fsdp", "fsdp-sync"), 0), "recorded"
+    monkeypatch.setattr(estimate_memory, "_jax_activations", activations)
+    recipe = ["backend=jax", "model.n_layer=1", "model.n_embd=64", "model.n_head=2",
+              "model.block_size=32", "micro_batch_size=4", "global_batch_size=16"]
+    for k, window in ((None, 2), (16, 16)):
+        more = ["--grad-accum-steps", str(k)] if k else []
+        assert main(["estimate-memory", *recipe, "--world-size", "2", "--device-gib", "1",
+                     *more]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert f"K={window};" in out[0] and f"{window} x that" in out[-2], out
+    assert asked == [None, 16]

@@ -159,6 +159,7 @@ def test_auto_decides_on_each_strategys_compiled_step_for_a_flax_transformer(
     assert acc.strategy.name == "zero1", acc.strategy
     assert list(sized) == ["ddp", "zero1"]  # sized in order, stopped at the first that fits
     assert sized["ddp"].total_bytes > budget >= sized["zero1"].total_bytes
+    stats_zero1 = sized["zero1"].total_bytes
     stats = acc.train_step(loss_fn).lower(state, acc.window([batch] * K)).compile()
     stats = stats.memory_analysis()
     measured = stats.argument_size_in_bytes + stats.temp_size_in_bytes
@@ -167,3 +168,13 @@ def test_auto_decides_on_each_strategys_compiled_step_for_a_flax_transformer(
     assert model["zero1"] < 0.9 * measured, (model["zero1"], measured)
     with pytest.raises(axj.ConfigError, match="go together"):
         acc.setup(params, tx, loss_fn=loss_fn)
+    # Issue 38 case 8: with micro_batch_size="auto" too (K not chosen yet) the same sizing,
+    # for the window that batch's 4 rows make of the global 16 (K=4: the steps above, read
+    # back from the compilation cache); it raised "global_batch_size was given without
+    # micro_batch_size ... pass micro_batch_size=".
+    sized.clear()
+    both = axj.Accelerator(strategy="auto", precision="fp32", global_batch_size=K * 4,
+                           micro_batch_size="auto", memory_limit=10**9)
+    both.setup(params, tx, loss_fn=loss_fn, batch=batch)
+    assert both.strategy.name == "zero1" and list(sized) == ["ddp", "zero1"], sized
+    assert sized["zero1"].total_bytes == stats_zero1

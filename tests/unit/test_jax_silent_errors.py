@@ -312,6 +312,54 @@ def test_an_nnx_dropout_held_in_the_params_draws_anew_each_micro_step() -> None:
     assert np.array_equal(jax.random.key_data(after), stored)
 
 
+@pytest.mark.parametrize("strategy", ["single", "ddp-one-device"])
+def test_an_nnx_dropout_in_the_params_trains_and_resumes_on_one_device(strategy,
+                                                                       tmp_path) -> None:
+    """Issue 38 case 7: on a one-device mesh the ``Rngs`` key leaf was placed with its bits'
+    spec (``P(None,)`` for a scalar key) and the step's shard_map refused it ("in_specs entry
+    which is too long"), in ``train_step`` and after ``load_state``. Now it trains with the
+    dropout on, and a resumed window is bitwise the uninterrupted one."""
+    from flax import nnx
+
+    from accumix.jax import trainable
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.l1 = nnx.Linear(4, 1, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0, dropout=1)))
+
+    def loss_fn(p, batch, rng):
+        model = nnx.merge(graphdef, p)
+        dropped = model.drop(batch["x"][:, 0])
+        err = (model.l1(dropped)[..., 0] - batch["y"][:, 0]) ** 2 * batch["mask"][:, 0]
+        return err.sum(), batch["mask"][:, 0].sum(), {"kept": (dropped != 0).mean()}
+
+    def accelerator():
+        word = axj.DDPStrategy(devices=jax.devices()[:1]) if strategy != "single" else strategy
+        return axj.Accelerator(strategy=word, precision="fp32", grad_accum_steps=K)
+
+    windows = [w.micro_batches(K, seed=i) for i in range(2)]
+    acc = accelerator()
+    state = acc.setup(params, optax.sgd(0.1))
+    assert acc.num_devices == 1
+    step = acc.train_step(loss_fn)
+    state, first = step(state, acc.window(windows[0]))
+    acc.save_state(tmp_path, state)
+    state, _ = step(state, acc.window(windows[1]))
+    again = accelerator()
+    loaded = again.load_state(tmp_path, again.setup(params, optax.sgd(0.1)))
+    loaded, _ = again.train_step(loss_fn)(loaded, again.window(windows[1]))
+    assert int(state.step) == int(loaded.step) == 2
+    weights = [[np.asarray(x) for x in jax.tree.leaves(s.params) if trainable.is_trainable(x)]
+               for s in (state, loaded)]
+    assert len(weights[0]) == 2 and all(
+        np.array_equal(a, b) for a, b in zip(*weights, strict=True))
+    kept = float(first["aux"]["kept"])  # dropout ran: the mean over K micro-steps of 4 x 4
+    assert 0.2 < kept < 0.8 and np.isfinite(float(first["loss"]))
+
+
 def test_unused_loss_scale_under_auto_is_said_once_on_both_backends(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="accumix"):
         axj.Accelerator(precision="auto", loss_scale=ax.DynamicLossScale(init_scale=8.0))

@@ -68,6 +68,43 @@ def test_cpu_flag_override(monkeypatch) -> None:
     policy_mod.cpu_has_native_bf16.cache_clear()
 
 
+@pytest.mark.parametrize(("flags", "machine", "native"), [
+    ("fpu sse2 avx avx2 fma", "x86_64", False),        # this suite's machine: AVX2, no bf16
+    ("avx512f avx512_bf16 avx512_vnni", "x86_64", True),  # AMD Zen 4, Intel Cooper Lake
+    ("avx512f amx_bf16 amx_tile", "x86_64", True),     # Intel Sapphire Rapids
+    ("fp asimd sve bf16 i8mm", "aarch64", True),       # Arm (Neoverse V1, Graviton 3)
+    (None, "arm64", True),                             # no /proc/cpuinfo: Apple silicon
+    (None, "x86_64", False),                           # no /proc/cpuinfo elsewhere
+])
+def test_the_cpu_bf16_probe_gives_both_answers(monkeypatch, flags, machine, native) -> None:
+    """The probe itself on faked CPUs (issue 38: nothing in the suite may hold only on the
+    CPU it runs on); then both answers' consequences on the torch side: "auto" and the
+    "emulated" warning (tests/conftest.py pins the answer for every other test)."""
+    import io
+    import warnings
+
+    from accumix.precision import words
+
+    def fake_open(path, *args, **kwargs):
+        if flags is None:
+            raise FileNotFoundError(path)
+        return io.StringIO(f"processor\t: 0\nflags\t\t: {flags}\n")
+
+    monkeypatch.delenv("ACCUMIX_CPU_BF16")
+    monkeypatch.setattr(words, "open", fake_open, raising=False)
+    monkeypatch.setattr(words.platform, "machine", lambda: machine)
+    words.cpu_has_native_bf16.cache_clear()
+    try:
+        assert words.cpu_has_native_bf16() is native
+        assert resolve_policy("auto", CPU).name == ("bf16-mixed" if native else "fp32")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            resolve_policy("bf16-mixed", CPU)
+        assert ["emulated" in str(w.message) for w in said] == ([] if native else [True])
+    finally:
+        words.cpu_has_native_bf16.cache_clear()
+
+
 def test_autocast_forward_computes_in_bf16_returns_fp32() -> None:
     policy = ax.Policy(name="custom", compute_dtype=torch.bfloat16)
     model = autocast_forward(torch.nn.Sequential(torch.nn.Linear(4, 3)), policy, CPU)

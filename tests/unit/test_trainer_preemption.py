@@ -4,7 +4,9 @@ window, before the first step) is saved at the next window boundary, ``fit`` rai
 ``ax.Preempted`` (exit status 143), the signal handler is put back, and the resumed run ends
 bit-identical to an uninterrupted one: parameters, and every logged loss. A loop that runs off
 the main thread (Ray Train's worker thread) cannot catch a signal; a request
-(``ax.request_preemption()``, an added check) is saved the same way, on both backends."""
+(``ax.request_preemption()``, an added check) is saved the same way, on both backends. The
+JAX Trainer (issue 38 case 4) acts on a signal at its next metrics read, an epoch's end
+included, however short the epoch."""
 
 from __future__ import annotations
 
@@ -187,3 +189,82 @@ def test_jax_steps_off_the_main_thread_see_a_requested_preemption() -> None:
 
     assert _in_thread(agreements) == (False, True, False)
     assert not preemption_requested()
+
+
+# -- the JAX Trainer (issue 38 case 4) ----------------------------------------------------------
+class _SignalingRows(torch.utils.data.Dataset):
+    """32 rows; reading row ``signal_at`` (once) sends this process SIGTERM: a signal while a
+    window's data loads (``num_workers=0``: in this process)."""
+
+    def __init__(self, signal_at: int | None) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(32, 3, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+        self.signal_at = signal_at
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.signal_at:
+            self.signal_at = None
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.x[i], self.y[i]
+
+
+def _fit_jax(run_dir: Path, rows_per_batch: int, signal_at: int | None,
+             max_steps: int) -> Any:
+    """The JAX Trainer, K=2, windows of ``2 * rows_per_batch`` rows over 32 rows (an epoch of
+    ``16 // rows_per_batch`` windows, read every 10 steps); the sampler is sequential, so row
+    ``signal_at`` loads in window ``signal_at // (2 * rows_per_batch) + 1``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import accumix.jax as axj
+    from accumix.trainer.jax_steps import JaxSteps
+
+    acc = axj.Accelerator(strategy="single", precision="fp32", grad_accum_steps=2, seed=0)
+    params = {"w": np.full((3, 1), 0.1, np.float32), "b": np.zeros((1,), np.float32)}
+    state, windows = acc.setup(params, optax.adam(0.05), DataLoader(
+        _SignalingRows(signal_at), batch_size=rows_per_batch))
+
+    def loss_fn(p, batch, rng):
+        x, y = batch
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    steps = JaxSteps(accelerator=acc, state=state, train_windows=windows, loss_fn=loss_fn)
+    trainer = Trainer(steps=steps, max_steps=max_steps, run_dir=run_dir, loggers=["csv"],
+                      progress_bar=False, system_metrics_every=None)
+    try:
+        trainer.fit()
+    except ax.Preempted as exc:
+        return exc
+    return [np.asarray(x) for x in jax.tree.leaves(steps.state.params)]
+
+
+@pytest.mark.parametrize(("rows_per_batch", "window", "saved"), [
+    (4, 2, 4),    # epochs of 4 windows: saved at the first epoch's end (before: never)
+    (1, 12, 16),  # epochs of 16, after the 10-step read: at the epoch's end (before: step 26)
+])
+def test_jax_trainer_acts_on_sigterm_at_the_next_read_whatever_the_epoch_length(
+        tmp_path: Path, rows_per_batch: int, window: int, saved: int) -> None:
+    """SIGTERM while window ``window`` loads: saved at the next read (an epoch's end is one),
+    exit status 143, and the resumed run ends bitwise as an uninterrupted one. Before, the
+    epoch's end read skipped the agreement and the 10-step count restarted each epoch: epochs
+    of 4 windows trained on to ``max_steps`` and returned normally with nothing saved, 16-window
+    ones acted only at step 26."""
+    pytest.importorskip("jax")
+    max_steps = 12 if rows_per_batch == 4 else 30
+    signal_row = 2 * rows_per_batch * (window - 1) + 1
+    stopped = _fit_jax(tmp_path / "run", rows_per_batch, signal_row, max_steps)
+    assert isinstance(stopped, ax.Preempted), f"fit did not stop on SIGTERM: {stopped}"
+    assert (stopped.code, stopped.step) == (143, saved)
+    assert (tmp_path / "run" / "latest").read_text().strip() == f"step-{saved}"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+    resumed = _fit_jax(tmp_path / "run", rows_per_batch, None, max_steps)
+    whole = _fit_jax(tmp_path / "whole", rows_per_batch, None, max_steps)
+    assert isinstance(resumed, list) and isinstance(whole, list)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, whole, strict=True))
+    assert [int(r[0]) for r in _rows(tmp_path / "run")] == list(range(1, max_steps + 1))

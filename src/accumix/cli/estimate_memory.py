@@ -109,7 +109,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         _host_devices(world)
         # JAX reduces in float32 under every precision unless told (accumix.jax.wire).
         wire = reduce_dtype_of(args.reduce_dtype or config.reduce_dtype or "fp32", precision)
-        return _run_jax(args, config, world, precision, wire)
+        return _run_jax(args, config, world, precision, wire, args.grad_accum_steps)
     micro = config.micro_batch_size
     if micro == "auto" and args.params is None:
         micro = _probe_recipe(config, world)  # the choice accumix train makes, without training
@@ -184,11 +184,12 @@ def reduction_line(trainable: int, reduce_dtype: str, world: int, grad_accum_ste
 
 
 def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str,
-             reduce_dtype: str = "float32") -> int:
+             reduce_dtype: str = "float32", grad_accum_steps: int | None = None) -> int:
     """The JAX backend's table (``accumix.jax.memory``): per device of a ``devices`` mesh, each
-    device ``micro_batch_size`` rows (``accumix launch``: one device per process). The
-    recipe's activations are measured: its window step compiled for one device (never run,
-    nothing allocated), ``accumix.jax.compiled_memory``."""
+    device ``micro_batch_size`` rows (``accumix launch``: one device per process), K
+    ``grad_accum_steps`` (default: the recipe's). The recipe's activations are measured: its
+    window step compiled for one device (never run, nothing allocated),
+    ``accumix.jax.compiled_memory``."""
     import optax
 
     from accumix.jax.memory import (
@@ -216,12 +217,13 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
             micro = _probe_jax_recipe(config, optimizer)
             config = dataclasses.replace(config, micro_batch_size=micro)
         if isinstance(micro, int):
-            activations, how = _jax_activations(config, params, optimizer, devices, precision)
+            activations, how = _jax_activations(config, params, optimizer, devices, precision,
+                                                grad_accum_steps)
             # hsdp's rows: fsdp's step over a node's devices; its activations are taken from
             # the fsdp rows of the whole mesh (measured alike: one device's rows each).
             activations.update({"hsdp": activations["fsdp-sync"],
                                 "hsdp-defer": activations["fsdp"]})
-            steps = max(1, config.global_batch_size // (devices * micro))
+            steps = grad_accum_steps or max(1, config.global_batch_size // (devices * micro))
             # The window as the step holds it: K micro-batches of every device's rows.
             window_bytes = devices * steps * 2 * micro * shape.block_size * 4
             label += (f", micro batch {micro} x {shape.block_size} tokens per device, K={steps};"
@@ -238,16 +240,18 @@ def _run_jax(args: argparse.Namespace, config: Any, devices: int, precision: str
     _, reason = pick_strategy(estimates, device_bytes=device_bytes, nodes=args.nodes)
     where = f"{args.nodes} nodes x {devices // args.nodes} devices" if args.nodes > 1 else (
         f"{devices} devices")
-    print(f"{label}, {precision}, JAX, {where}, {device_bytes / 2**30:.1f} GiB per device")
+    k = f", K={grad_accum_steps}" if grad_accum_steps and args.params is not None else ""
+    print(f"{label}, {precision}, JAX, {where}{k}, {device_bytes / 2**30:.1f} GiB per device")
     print(format_jax_table(estimates, device_bytes=device_bytes))
     trainable = params if isinstance(params, int) else gpt_jax.num_parameters(shape)
-    steps = None if args.params is not None or not isinstance(config.micro_batch_size, int) else (
+    steps = grad_accum_steps or (
+        None if args.params is not None or not isinstance(config.micro_batch_size, int) else
         max(1, config.global_batch_size // (devices * config.micro_batch_size)))
     if devices > 1:  # the JAX strategies' reduction (accumix.jax.wire), one device's payload
         from accumix.precision.reduce_dtype import reduction_bytes
 
         once = reduction_bytes(trainable, reduce_dtype) / 2**20
-        each = f"{steps} x that" if steps else "K x that"
+        each = f"{steps} x that ({steps * once:,.1f} MiB)" if steps else "K x that"
         print(f"gradient reduction in {reduce_dtype}: {once:,.1f} MiB per device per optimizer "
               f"step (every strategy once after the window; fsdp-sync's and hsdp's "
               f"reduce-scatter every micro-step: {each})")
@@ -268,10 +272,13 @@ def _host_devices(count: int) -> None:
 
 
 def _jax_activations(config: Any, params: Any, optimizer: Any, devices: int,
-                     precision: str) -> tuple[dict[str, int], str]:
+                     precision: str, grad_accum_steps: int | None = None
+                     ) -> tuple[dict[str, int], str]:
     """Each row's activations per device from the recipe's compiled window step (lowered and
     compiled for shapes, never run): on ``devices`` devices where this process has them (a CPU
-    gets them as host devices, set before JAX loads), else on one device for every row."""
+    gets them as host devices, set before JAX loads), else on one device for every row; K
+    ``grad_accum_steps`` on every row (default: the recipe's, which ``single`` runs on the
+    whole global batch)."""
     import jax
 
     from accumix.jax.compiled_memory import measured_activation_bytes, strategy_for_row
@@ -284,8 +291,8 @@ def _jax_activations(config: Any, params: Any, optimizer: Any, devices: int,
     out = {}
     for row in JAX_STRATEGIES:
         per = devices if own and row != "single" else 1
-        steps = max(1, config.global_batch_size // (devices * micro))
-        if row == "single":  # one device takes every device's micro-batches
+        steps = grad_accum_steps or max(1, config.global_batch_size // (devices * micro))
+        if row == "single" and not grad_accum_steps:  # one device takes every device's rows
             steps = max(1, config.global_batch_size // micro)
         if not own and out:
             out[row] = out["single"]

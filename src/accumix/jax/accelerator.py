@@ -288,11 +288,13 @@ class Accelerator:
         if self._strategy is None:  # every process the same: from the minimum free memory
             sized = None
             if loss_fn is not None:  # each row from its compiled window step for loss_fn
-                from accumix.jax.compiled_memory import sizing
+                from accumix.jax.compiled_memory import sizing, window_steps
 
-                steps = self._grad_accum_steps or (self._derive_steps(loader.batch_size)
-                                                   if getattr(loader, "batch_size", None)
-                                                   else self.grad_accum_steps)
+                # micro_batch_size="auto" is chosen after the strategy: K of batch's rows.
+                steps = self._grad_accum_steps or (
+                    self._derive_steps(loader.batch_size) if getattr(loader, "batch_size", None)
+                    else window_steps(batch, self.global_batch_size)
+                    if is_auto(self.micro_batch_size) else self.grad_accum_steps)
                 sized = sizing(loss_fn, params, optimizer, batch, grad_accum_steps=steps,
                                precision=self.policy.name)
             self._strategy = choose_auto(params, optimizer, precision=self.policy.name,

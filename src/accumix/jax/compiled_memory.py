@@ -161,6 +161,15 @@ def sizing(loss_fn: LossFn, params: Any, optimizer: Any, batch: Any, *, grad_acc
                                          precision=precision, strategy=strategy_of_row(row))
 
 
+def window_steps(batch: Any, global_batch_size: int) -> int:
+    """K of the window that micro-batches of ``batch``'s rows (this process's) make of
+    ``global_batch_size`` over every process: what ``strategy="auto"`` sizes before
+    ``micro_batch_size="auto"`` has chosen (whatever it chooses, a window holds the same rows
+    per process)."""
+    rows = max(int(np.shape(jax.tree.leaves(batch)[0])[0]), 1)
+    return max(1, global_batch_size // (rows * jax.process_count()))
+
+
 def strategy_for_row(row: str, devices: list[Any]) -> JaxStrategy:
     """The strategy of one of ``JAX_STRATEGIES``' rows on ``devices`` (``single``: the first)."""
     return strategy_of_row(row, devices)

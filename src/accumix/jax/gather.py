@@ -27,8 +27,10 @@ The tap's value is the accumulator itself (nothing in the forward reads it): the
 taps' cotangent as the new accumulator (``into_accumulators`` adds the old one; a scan over
 stacked layers adds each iteration's gradient into it in place, ``scan_accumulate``).
 
-``weight`` is the device's own factor of fp16 item mode (its micro-batch's item count, by which
-its scaled gradient was divided): it must multiply before devices are summed. A device whose
+``weight`` is the device's own factor for this micro-step (``accumix.jax.step``): in fp16 item
+mode its micro-batch's item count, by which its scaled gradient was divided; on a 16-bit wire
+its share of the window's mean (``accumix.jax.wire``). It must multiply before devices are
+summed. A device whose
 micro-step is padding still runs this backward (its peers' reduce-scatters need it) with a
 zero loss seed: its ``g`` is exactly 0 (``accumix.jax.step``).
 """
@@ -89,8 +91,8 @@ def route(g: jax.Array, weight: jax.Array, axis: str, dim: int | None,
           scatter: bool, wire: Wire = FLOAT32) -> jax.Array:
     """A gathered leaf's cotangent ``g`` as its accumulator tap takes it: in the tap's dtype
     (float32, complex for complex leaves), times ``weight``, reduce-scattered over ``axis``
-    when ``scatter``: in ``wire``'s dtype, its share divided by the devices first, back in the
-    tap's dtype after (``accumix.jax.wire``; the step multiplies once, after the window)."""
+    when ``scatter``: in ``wire``'s dtype (normalised by ``weight`` there,
+    ``accumix.jax.wire``), back in the tap's dtype after."""
     g = g.astype(accum_dtype(g.dtype)) * weight
     if scatter and dim is not None:
         g = wire.receive(jax.lax.psum_scatter(wire.send(g), axis, scatter_dimension=dim,

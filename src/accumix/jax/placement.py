@@ -7,6 +7,7 @@ Every process holds the params whole on the host; each takes its own shards of t
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -59,6 +60,10 @@ def _global_array(value: Any, sharding: NamedSharding) -> jax.Array:
         bits = np.asarray(jax.random.key_data(value))
         data = jax.make_array_from_callback(bits.shape, NamedSharding(
             sharding.mesh, P(*sharding.spec, None)), lambda index: bits[index])
-        return jax.random.wrap_key_data(data, impl=impl)
+        # Rewrapped under jit with the key's own sharding: wrapped outside, a key on a
+        # one-device mesh keeps its bits' spec (P(None,) for a scalar key), which the step's
+        # shard_map refuses as too long for the key's rank.
+        return jax.jit(partial(jax.random.wrap_key_data, impl=impl),
+                       out_shardings=sharding)(data)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 

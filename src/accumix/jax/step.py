@@ -10,9 +10,13 @@
                                                  #   fp16: scale * loss_sum_i / n_i, then x n_i
                                                  #   (fsdp: gathered at each use, and the backward
                                                  #   adds into acc itself, accumix.jax.gather)
+                                                 # 16-bit wire: x n_i / N instead (item mode, N
+                                                 #   counted before the scan) or x 1 / M (mean
+                                                 #   mode): acc holds its share of the mean
         grads = psum | psum_scatter(acc)         # ONE reduction per window, after the scan
     grads /= scale * (N items | valid micro-steps over devices)   # one division, at the end
-                                                 # (no items: zero gradients, not 0/0)
+                                                 # (no items: zero gradients, not 0/0; a 16-bit
+                                                 #   wire: / scale only, accumix.jax.wire)
     found_inf = not all(isfinite(grads))         # global: every device decides alike
     norm = global_norm(grads); clip               # torch's clip_grad_norm_ coefficient
     params, opt_state = found_inf ? kept : optax update    # bit-identical when skipped
@@ -84,6 +88,7 @@ def build_step(
     param_specs = jax.tree.map(lambda s: s.spec, state_shardings.params)
     scaled = scaler.enabled
     num_devices = strategy.num_devices
+    normalise = strategy.wire.narrow  # a 16-bit wire carries the window's mean, not its sum
 
     def local_window(params_c: Any, batch: Any, mask: jax.Array, key: jax.Array,
                      scale: jax.Array, *, form: LossForm, train_specs: Any) -> tuple[Any, ...]:
@@ -111,6 +116,38 @@ def build_step(
         absolute = strategy.accumulates_in_backward  # the taps' cotangent: the accumulator
         weigh_in_backward = scaled and item_mode and (strategy.reduces_each_microstep
                                                       or absolute)
+        steps = jnp.arange(grad_accum_steps)
+        mask = mask[:, 0]  # this device's column: processes may pass windows of other lengths
+        valid_devices = jax.lax.psum(mask.astype(jnp.int32), axes)  # per micro-step, global
+
+        def micro_key(index: jax.Array) -> jax.Array:
+            return jax.random.fold_in(jax.random.fold_in(key, index), device)
+
+        def real(given: Any, valid: jax.Array) -> Any:
+            """The micro-batch, or (padding) this device's micro-batch 0 (see ``compute``)."""
+            return jax.tree.map(lambda x, x0: jnp.where(valid, x, x0), given, first)
+
+        # A 16-bit wire carries normalised gradients (accumix.jax.wire): each micro-step's
+        # gradient joins the accumulator times its share of the window's mean, which needs the
+        # window's total before the first micro-step: item mode counts every micro-step's
+        # items first (the count alone: XLA drops the rest of that forward).
+        shares = None
+        if normalise and item_mode:
+            def count(xs: tuple[Any, ...]) -> jax.Array:
+                index, given, valid = xs
+                k = micro_key(index)
+                items = form.split(loss_fn(use(weights, target, one,
+                                               trainable.reseeded(carried, k)),
+                                           real(given, valid), k))[1]
+                return jnp.where(valid, jnp.asarray(items, n_dtype), jnp.zeros((), n_dtype))
+            counts = jax.lax.map(count, (steps, batch, mask))
+            total = jax.lax.psum(jnp.sum(counts), axes).astype(jnp.float32)
+            own = jnp.maximum(counts, 1).astype(jnp.float32) if scaled else jnp.ones(
+                counts.shape, jnp.float32)  # what undoes the objective's division by n_i
+            shares = own / jnp.maximum(total, 1.0)
+        elif normalise:  # mean mode: 1 / the valid (device, micro-step) pairs
+            shares = jnp.broadcast_to(1.0 / jnp.maximum(jnp.sum(valid_devices), 1),
+                                      (grad_accum_steps,)).astype(jnp.float32)
 
         def objective(p: Any, micro: Any, k: jax.Array, live: jax.Array
                       ) -> tuple[jax.Array, tuple[Any, ...]]:
@@ -126,14 +163,15 @@ def build_step(
         zero_aux = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), aux0)
 
         def micro_step(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, None]:
-            index, given, valid, anyone = xs
+            index, given, valid, anyone, *normalised = xs
+            share = normalised[0] if normalise else one
 
             g_acc, l_acc, n_acc, a_acc = carry
 
             # The gradients are added into the accumulators inside the branch, leaf by leaf as
             # the backward yields them, not returned whole first (a second full set, alive).
             def compute(g_acc: Any) -> tuple[Any, ...]:
-                k = jax.random.fold_in(jax.random.fold_in(key, index), device)
+                k = micro_key(index)
                 # A PRNG key held in the params (a flax nnx Rngs stream) draws anew here, as
                 # ``k`` does: loss_fn cannot hand back the stream it advanced.
                 rest = trainable.reseeded(carried, k)
@@ -145,9 +183,11 @@ def build_step(
                 # a zero loss seed, so every gradient it adds, before or after a sum over
                 # devices, is exactly 0; the sums below select it away.
                 live = valid.astype(jnp.float32)
-                micro = jax.tree.map(lambda x, x0: jnp.where(valid, x, x0), given, first)
+                micro = real(given, valid)
                 weight = one
-                if weigh_in_backward:  # the count alone: XLA drops the rest of this forward
+                if normalise:  # this micro-step's share of the window's mean (counted above)
+                    weight = share
+                elif weigh_in_backward:  # the count alone: XLA drops the rest of this forward
                     items = form.split(loss_fn(use(weights, target, one, rest), micro, k))[1]
                     weight = jnp.maximum(jnp.asarray(items, jnp.float32), 1.0)
 
@@ -159,11 +199,13 @@ def build_step(
                 grad, (loss, items, aux, per) = jax.grad(at_use, has_aux=True)(
                     g_acc if absolute else target, weights)
 
+                factor = share if normalise else per
+
                 def add(a: jax.Array, g: jax.Array) -> jax.Array:
                     if absolute:  # the new accumulator: a padded micro-step added its zeros
                         return g
                     g = g.astype(accum_dtype(g.dtype))
-                    return a + jnp.where(valid, g * per, 0)
+                    return a + jnp.where(valid, g * factor, 0)
                 g_acc = jax.tree.map(add, g_acc, grad)
                 aux = jax.tree.map(lambda a: jnp.where(valid, jnp.asarray(a, jnp.float32), 0),
                                    aux)
@@ -181,10 +223,7 @@ def build_step(
                     jax.tree.map(jnp.add, a_acc, aux)), None
 
         carry0 = (zero_grads, jnp.float32(0), jnp.zeros((), n_dtype), zero_aux)
-        steps = jnp.arange(grad_accum_steps)
-        mask = mask[:, 0]  # this device's column: processes may pass windows of other lengths
-        valid_devices = jax.lax.psum(mask.astype(jnp.int32), axes)  # per micro-step, global
-        xs = (steps, batch, mask, valid_devices > 0)
+        xs = (steps, batch, mask, valid_devices > 0, *([] if shares is None else [shares]))
         (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(micro_step, carry0, xs)
         g_sum = strategy.reduce_grads(g_sum, train_specs)
         return g_sum, *jax.lax.psum((l_sum, n_sum, a_sum), axes), jnp.sum(valid_devices)
@@ -212,7 +251,10 @@ def build_step(
         # A window without items (all padding) has no mean: zero gradients, as on the torch side.
         has_items = divisor > 0
         divisor = jnp.where(has_items, divisor, 1.0)
-        grads = jax.tree.map(lambda g: jnp.where(has_items, g / (divisor * scale), 0), g_sum)
+        # A 16-bit wire's sums arrive normalised (each micro-step weighed by its share of the
+        # window's mean): the loss scale is all that is left to divide by.
+        normaliser = scale if normalise else divisor * scale
+        grads = jax.tree.map(lambda g: jnp.where(has_items, g / normaliser, 0), g_sum)
         found_inf = jnp.asarray(False)
         if scaled:  # after an overflow at the floor, stop stepping (raised when checked)
             found_inf = ~_all_finite(grads) | state.loss_scale.floor_hit

@@ -163,12 +163,11 @@ class JaxStrategy:
         for g, spec in zip(flat, tree.flatten_up_to(specs), strict=True):
             dim = _axis_dim(spec, self.shard_axis)
             if dim is None:
-                out.append(wire.finish(wire.receive(jax.lax.psum(wire.send(g), self.data_axes),
-                                                    g)))
+                out.append(wire.receive(jax.lax.psum(wire.send(g), self.data_axes), g))
                 continue
             sent, previous = scatter_in_turn(wire.send(g), self.shard_axis, dim, previous)
             reduced = jax.lax.psum(sent, rest) if rest else sent
-            out.append(wire.finish(wire.receive(reduced, g)))
+            out.append(wire.receive(reduced, g))
         return tree.unflatten(out)
 
     # -- what the run uses -----------------------------------------------------------------
@@ -340,17 +339,17 @@ class FSDPStrategy(JaxStrategy):
         if not self.sync_each_microstep:
             return super().reduce_grads(grads, specs)
         # Sharded leaves were reduce-scattered over the shard axis in each micro-step's
-        # backward (their shares divided by the wire there); what remains is the sum over
-        # the other data axes (hsdp's replicas; none for fsdp), once, in the wire's dtype.
+        # backward; what remains is the sum over the other data axes (hsdp's replicas; none
+        # for fsdp), once, in the wire's dtype.
         rest = tuple(a for a in self.data_axes if a != self.shard_axis)
         wire = self.wire
 
         def reduce(g: jax.Array, spec: P) -> jax.Array:
             if _axis_dim(spec, self.shard_axis) is None:
-                return wire.finish(wire.receive(jax.lax.psum(wire.send(g), self.data_axes), g))
+                return wire.receive(jax.lax.psum(wire.send(g), self.data_axes), g)
             if rest:
-                g = wire.receive(jax.lax.psum(wire.recast(g), rest), g)
-            return wire.finish(g)
+                g = wire.receive(jax.lax.psum(wire.send(g), rest), g)
+            return g
         return jax.tree.map(reduce, grads, specs)
 
     def reductions(self) -> str:

@@ -8,8 +8,10 @@ its metrics stay on the device in a buffer that is read (one transfer for all of
 callback that stops the run (early stopping, a NaN guard) acts at the next read.
 
 A SIGTERM (or another of ``preemption_signals``) on any process is agreed at the next read
-(one tiny host collective): every process saves at the same window, then the Trainer stops as
-pre-empted (``accumix.Preempted``: trackers closed as pre-empted, exit status 143).
+(one tiny host collective; every read agrees, an epoch's end included, so an epoch shorter
+than ``read_every`` windows still acts on it): every process saves at the same window, then the
+Trainer stops as pre-empted (``accumix.Preempted``: trackers closed as pre-empted, exit status
+143, as on the torch side).
 """
 
 from __future__ import annotations
@@ -135,19 +137,29 @@ class JaxSteps:
             pending.append((metrics, self.train_loader.last_samples))
             due = self._host_step + len(pending)  # exact unless an fp16 window was skipped
             if len(pending) >= self.read_every or _due(trainer, due):
-                signalled, system, notice = self._agree(len(pending), started)
-                started = self._flush(trainer, pending, started, system)
+                started = self._read(trainer, pending, started)
                 pending = []
                 if trainer.done():
                     return True
-                if signalled:
-                    self._save_and_exit(trainer)
-                if notice:  # Ray's pre-emption notice: a checkpoint now, training goes on
-                    trainer.save_for_preemption()
-                    self._watch.saved_for_notice()
-        if pending:
-            self._flush(trainer, pending, started)
+        if pending:  # the epoch's end is a read too: its signal agreed, however short it was
+            self._read(trainer, pending, started)
         return got_window
+
+    def _read(self, trainer: Trainer, pending: list[tuple[dict[str, jax.Array], int]],
+              started: float) -> float:
+        """One read (collective: every process reads after the same windows): the agreement
+        on a signal, the buffered rows; a signal on any process saves here and stops, unless
+        these rows ended the run."""
+        signalled, system, notice = self._agree(len(pending), started)
+        started = self._flush(trainer, pending, started, system)
+        if trainer.done():
+            return started
+        if signalled:
+            self._save_and_exit(trainer)
+        if notice:  # Ray's pre-emption notice: a checkpoint now, training goes on
+            trainer.save_for_preemption()
+            self._watch.saved_for_notice()
+        return started
 
     def _flush(self, trainer: Trainer, pending: list[tuple[dict[str, jax.Array], int]],
                started: float, system: dict[str, float] | None = None) -> float:
