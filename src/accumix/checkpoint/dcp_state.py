@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from accumix.checkpoint import load_limits
 from accumix.checkpoint.plain_values import numpy_floats, plain
 from accumix.errors import CheckpointError
 from accumix.runtime import fault
@@ -61,7 +62,13 @@ def write(state: dict[str, Any], directory: str) -> None:
 
 
 def read(state: dict[str, Any], reader: SafeReader) -> None:
-    """``dcp.load`` into ``state`` in place, non-tensor entries through ``weights_only``."""
+    """``dcp.load`` into ``state`` in place, non-tensor entries through ``weights_only``.
+
+    Raises:
+        CheckpointError: a saved tensor of another shape than ``state``'s (it bounds what the
+            load allocates: ``load_limits``).
+    """
+    load_limits.check_shapes(reader.path, state, reader.read_metadata())
     with _quiet_single_process():
         dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=not _distributed())
 
@@ -216,7 +223,10 @@ class _SafePlanner(DefaultLoadPlanner):
 
 
 class SafeReader(FileSystemReader):
-    """Reads DCP's ``.metadata`` pickle through a whitelist of the classes DCP writes there."""
+    """Reads DCP's ``.metadata`` pickle through a whitelist of the classes DCP writes there,
+    checks every entry it names before reading any (files inside the checkpoint, sizes within
+    the shapes: ``load_limits.check_metadata``) and every entry's zip before ``torch.load``
+    inflates it."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -231,7 +241,14 @@ class SafeReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        load_limits.check_metadata(self.path, metadata)
         return metadata
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        load_limits.check_torch_zip(
+            load_limits.Window(file, sinfo.offset, sinfo.length), sinfo.length,
+            f"{sinfo.relative_path} (bytes {sinfo.offset}..{sinfo.offset + sinfo.length})")
+        return super()._slice_file(file, sinfo)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
+from accumix.checkpoint import load_limits, rng_state
 from accumix.checkpoint import meta as checkpoint_meta
-from accumix.checkpoint import rng_state
 from accumix.checkpoint.meta import FORMAT as FORMAT  # re-exported: where it was
 from accumix.checkpoint.plain_values import numpy_floats, plain
 from accumix.common import run_dir as layout
@@ -284,7 +284,9 @@ def _write_tensors(path: Path, obj: Any) -> None:
 
 
 def _read_tensors(path: Path) -> Any:
-    """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes."""
+    """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes;
+    a small file that would inflate, or hold more than such a file does, is refused first."""
+    load_limits.check_torch_zip(path, load_limits.SMALL_FILE_LIMIT, str(path))
     try:
         with numpy_floats():
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from accumix.common.safe_paths import inside, step_pointer
 from accumix.errors import CheckpointError
 
 LATEST = "latest"
@@ -34,11 +35,15 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
 
     For auto-resume: ``if latest_checkpoint(run_dir): acc.load_state(run_dir)``. After a crash
     in the middle of replacing a step directory this is the complete copy that survived.
+
+    Raises:
+        CheckpointError: ``latest`` names anything but a ``step-N`` directory of ``run_dir``
+            itself (``../other/step-0``, a path, a symbolic link), or is a link itself.
     """
     pointer = Path(run_dir) / LATEST
     if not pointer.is_file():
         return None
-    target = Path(run_dir) / pointer.read_text().strip()
+    target = step_pointer(run_dir, pointer)
     if target.is_dir():
         return target
     return _stand_in(target) or target
@@ -48,7 +53,7 @@ def _stand_in(target: Path) -> Path | None:
     """The complete leftover of an interrupted replacement of ``target``, newest first."""
     for suffix in (".tmp", ".old"):
         candidate = target.with_name(f".{target.name}{suffix}")
-        if (candidate / META).is_file():
+        if not candidate.is_symlink() and (candidate / META).is_file():
             return candidate
     return None
 
@@ -57,7 +62,7 @@ def _recover(run_dir: Path) -> None:
     # Before leftovers are cleared: else latest would point at nothing until the save publishes.
     target = latest_checkpoint(run_dir)
     if target is not None and target.name.startswith("."):
-        os.rename(target, run_dir / (run_dir / LATEST).read_text().strip())
+        os.rename(target, step_pointer(run_dir, run_dir / LATEST))
         fsync(run_dir)
 
 
@@ -181,7 +186,7 @@ def check_manifest(step_dir: Path, files: dict[str, int]) -> None:
         CheckpointError: naming the first file that does not match.
     """
     for name, size in files.items():
-        file = step_dir / name
+        file = inside(step_dir, name, f"{META}'s file list")
         if not file.is_file():
             raise CheckpointError(f"checkpoint {step_dir} is torn: {file} is missing")
         if file.stat().st_size != size:
