@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from accumix.common.safe_paths import inside, step_pointer
+from accumix.common.safe_write import replace_text
 from accumix.errors import CheckpointError
 
 LATEST = "latest"
@@ -60,7 +61,10 @@ def _stand_in(target: Path) -> Path | None:
 
 def _recover(run_dir: Path) -> None:
     # Before leftovers are cleared: else latest would point at nothing until the save publishes.
-    target = latest_checkpoint(run_dir)
+    try:
+        target = latest_checkpoint(run_dir)
+    except CheckpointError:  # a latest naming no step-N of its own: nothing to recover; the
+        return  # save replaces it (never renames anything it names)
     if target is not None and target.name.startswith("."):
         os.rename(target, step_pointer(run_dir, run_dir / LATEST))
         fsync(run_dir)
@@ -121,14 +125,9 @@ def fsync(path: Path) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Replaces ``path`` atomically with ``text``, durably."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync(path.parent)
+    """Replaces ``path`` atomically with ``text``, durably, never through a link planted at
+    ``path`` or at its temporary name (``accumix.common.safe_write``)."""
+    replace_text(path, text)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from accumix.common.safe_write import make_dir, open_in_place, refuse_link
 from accumix.errors import ConfigError
 
 LOGGER_WORDS = ("csv", "jsonl", "tensorboard", "mlflow", "wandb", "clearml")
@@ -73,7 +74,7 @@ class CSVLogger(MetricLogger):
 
     @override
     def open(self, run_dir: Path, *, resume_step: int) -> None:
-        self.path = Path(run_dir) / self.filename
+        self.path = refuse_link(Path(run_dir) / self.filename)
         self._rows = []
         if resume_step > 0 and self.path.exists():
             with self.path.open(newline="") as f:
@@ -85,7 +86,7 @@ class CSVLogger(MetricLogger):
         assert self.path is not None
         if self._file is not None:
             self._file.close()
-        self._file = self.path.open("w", newline="")
+        self._file = open_in_place(self.path, "w", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
         if self._columns:
             self._writer.writeheader()
@@ -120,12 +121,12 @@ class JSONLLogger(MetricLogger):
 
     @override
     def open(self, run_dir: Path, *, resume_step: int) -> None:
-        path = Path(run_dir) / self.filename
+        path = refuse_link(Path(run_dir) / self.filename)
         kept: list[str] = []
         if resume_step > 0 and path.exists():
             kept = [line for line in path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= resume_step]
-        self._file = path.open("w")
+        self._file = open_in_place(path, "w")
         self._file.write("".join(line + "\n" for line in kept))
         self._file.flush()
 
@@ -144,7 +145,8 @@ class JSONLLogger(MetricLogger):
 def read_rows(run_dir: Path, *, after: int, through: int) -> list[dict[str, Any]] | None:
     """The logged rows of steps ``after < step <= through``, from ``metrics.csv`` (numbers
     as numbers, empty cells left out) or else ``metrics.jsonl``; None when neither is there."""
-    csv_path, jsonl_path = Path(run_dir) / "metrics.csv", Path(run_dir) / "metrics.jsonl"
+    csv_path = refuse_link(Path(run_dir) / "metrics.csv")
+    jsonl_path = refuse_link(Path(run_dir) / "metrics.jsonl")
     if csv_path.exists():
         with csv_path.open(newline="") as f:
             rows = [{k: _parse(v) for k, v in r.items() if v not in ("", None)}
@@ -192,7 +194,8 @@ class TensorBoardLogger(MetricLogger):
     def open(self, run_dir: Path, *, resume_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(str(Path(run_dir) / self.subdir), purge_step=resume_step + 1
+        directory = make_dir(Path(run_dir) / self.subdir)  # never a planted link
+        self._writer = SummaryWriter(str(directory), purge_step=resume_step + 1
                                      if resume_step else None)
 
     @override

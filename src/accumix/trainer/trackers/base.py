@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from accumix.common.safe_write import refuse_link, replace_text
 from accumix.errors import ConfigError, Preempted
 from accumix.trainer.loggers import MetricLogger, read_rows
 
@@ -64,7 +64,7 @@ def process_rank() -> int:
 
 def read_run_ids(run_dir: Path) -> dict[str, Any]:
     """``run_dir/trackers.json`` (``{}`` when absent)."""
-    path = Path(run_dir) / RUN_IDS_FILE
+    path = refuse_link(Path(run_dir) / RUN_IDS_FILE)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -72,10 +72,8 @@ def write_run_id(run_dir: Path, name: str, entry: dict[str, Any]) -> None:
     """Records one tracker's run in ``run_dir/trackers.json`` (atomically: temp file, rename)."""
     ids = read_run_ids(run_dir)
     ids[name] = entry
-    path = Path(run_dir) / RUN_IDS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(ids, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    replace_text(Path(run_dir) / RUN_IDS_FILE, json.dumps(ids, indent=1, sort_keys=True) + "\n",
+                 durable=False)
 
 
 def forget_runs(run_dir: Path) -> None:

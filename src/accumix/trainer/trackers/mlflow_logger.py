@@ -24,6 +24,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from accumix.common.safe_write import refuse_link, replace_text
 from accumix.errors import ConfigError
 from accumix.trainer.trackers.base import TrackerLogger, first_line
 
@@ -72,7 +73,8 @@ class MLflowLogger(TrackerLogger):
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if uri:
             return uri, False
-        return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}", True
+        # A link planted there would make MLflow write into its target.
+        return f"sqlite:///{refuse_link(run_dir / 'mlflow.db').resolve()}", True
 
     def _artifact_location(self, uri: str, local: bool) -> str | None:
         """Where a new experiment keeps its artifacts: beside a SQLite file (MLflow's own
@@ -248,6 +250,6 @@ def _forget_files(store: Any, experiment_id: str, run_id: str, step: int) -> Non
         lines = path.read_text().splitlines(keepends=True)
         kept = [line for line in lines if len(line.split()) < 3 or int(line.split()[2]) <= step]
         if len(kept) != len(lines):
-            tmp = folder.parent / ".accumix-metric.tmp"  # outside metrics/: never a metric
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
+            # The temporary file outside metrics/: never read as a metric.
+            replace_text(path, "".join(kept), durable=False,
+                         tmp=folder.parent / ".accumix-metric.tmp")
