@@ -28,6 +28,7 @@ from typing import Any
 from accumix.common.launch_env import is_loopback
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
 from accumix.runtime.env import first_host
+from accumix.runtime.loopback import loopback_launch
 from accumix.testing import free_port
 
 DEFAULT_MULTINODE_PORT = 29500
@@ -229,7 +230,9 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
                  if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        with jax_coordinator_port(plan):
+        # On loopback the store, gloo and NCCL listen there only (runtime/loopback.py).
+        with jax_coordinator_port(plan), loopback_launch(
+                plan.master_addr, plan.master_port, hosts_store=plan.node_rank == 0):
             run(parse_args(torchrun_args(plan, target, target_args, module=module)))
     except SignalException as exc:
         # torchrun's agent turned the signal into this exception after it forwarded the signal

@@ -21,8 +21,15 @@ import torch
 import torch.distributed as dist
 
 # Re-exported: the launch variables are read by the torch-free module.
-from accumix.common.launch_env import DEFAULT_PORT, LaunchEnv, detect_launch_env, first_host
+from accumix.common.launch_env import (
+    DEFAULT_PORT,
+    LaunchEnv,
+    detect_launch_env,
+    first_host,
+    is_loopback,
+)
 from accumix.errors import ConfigError
+from accumix.runtime import loopback
 
 __all__ = [
     "DEFAULT_PORT", "LaunchEnv", "detect_launch_env", "first_host", "init_process_group",
@@ -75,6 +82,10 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
         kwargs["store"] = store
     else:
         kwargs["init_method"] = "env://"
+    if is_loopback(os.environ["MASTER_ADDR"]):  # every rank on this machine: listen there only
+        loopback.keep_local()
+        if store is None and launch.rank == 0:  # env:// makes rank 0's store multi-tenant
+            loopback.hold_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     dist.init_process_group(
         backend=backend,
         rank=launch.rank,
