@@ -27,6 +27,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from accumix.common.redact import redact, redact_values
 from accumix.common.safe_write import refuse_link, replace_text
 from accumix.errors import ConfigError, Preempted
 from accumix.trainer.loggers import MetricLogger, read_rows
@@ -117,8 +118,9 @@ def missing_package(word: str, module: str) -> ConfigError | None:
 
 
 def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, passwords in URIs masked (``redact``)."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    return redact(f"{type(exc).__name__}: {text[0] if text else ''}")
 
 
 def run_outcome(exc: BaseException | None) -> str:
@@ -227,8 +229,8 @@ class TrackerLogger(MetricLogger):
     def log_params(self, params: Mapping[str, Any], *,
                    tags: Mapping[str, str] | None = None) -> None:
         """The run's parameters (nested mappings are flattened with dots) and tags."""
-        if self.active:
-            self._params(flatten(params), dict(tags or {}))
+        if self.active:  # a URI's password never reaches the tracker
+            self._params(redact_values(flatten(params)), redact_values(dict(tags or {})))
 
     @override
     def log(self, row: dict[str, Any]) -> None:
