@@ -32,6 +32,7 @@ from accumix.runtime.loopback import loopback_launch
 from accumix.testing import free_port
 
 DEFAULT_MULTINODE_PORT = 29500
+OVERSUBSCRIBE = "ACCUMIX_OVERSUBSCRIBE"  # "1": nproc may exceed this node's GPUs / CPU cores
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -105,16 +106,23 @@ def resolve_nproc(value: str | int, environ: Mapping[str, str] | None = None) ->
     """Processes for this node: ``auto`` = GPUs, else CPU cores (or the SLURM allocation's).
 
     Raises:
-        ConfigError: not ``auto`` nor an integer >= 1.
+        ConfigError: not ``auto`` nor an integer >= 1, or more than ``auto`` would give (this
+            node's GPUs, else its CPU cores) unless ``ACCUMIX_OVERSUBSCRIBE=1``.
     """
     environ = os.environ if environ is None else environ
-    if value != "auto":
-        return _positive("nproc", value)
     slurm = slurm_settings(environ)
     gpus = local_gpus()
-    if gpus:
-        return min(gpus, int(slurm.get("gpus", gpus)))
-    return int(slurm.get("cpus", local_cpus()))
+    available = (min(gpus, int(slurm.get("gpus", gpus))) if gpus
+                 else int(slurm.get("cpus", local_cpus())))
+    if value == "auto":
+        return available
+    procs = _positive("nproc", value)
+    if procs > available and environ.get(OVERSUBSCRIBE) != "1":
+        what = "GPUs" if gpus else "CPU cores"
+        raise ConfigError(f"nproc={procs} is more than this machine's {available} {what}; use "
+                          f"nproc=auto or at most {available} (or set {OVERSUBSCRIBE}=1 to start "
+                          "more processes anyway)")
+    return procs
 
 
 def plan_launch(*, nproc: str | int = "auto", nnodes: int | None = None,
@@ -148,6 +156,8 @@ def plan_launch(*, nproc: str | int = "auto", nnodes: int | None = None,
     if port is None:
         port = DEFAULT_MULTINODE_PORT if nodes > 1 else free_port()
     port = _positive("master-port", port)
+    if port > 65535:
+        raise ConfigError(f"master-port={port} is invalid; use a port in 1..65535")
     threads = None
     if local_gpus() == 0 and "OMP_NUM_THREADS" not in environ:
         threads = max(1, int(slurm.get("cpus", local_cpus())) // procs)

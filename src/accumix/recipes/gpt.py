@@ -58,6 +58,17 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 
+    def num_parameters(self) -> int:
+        """The parameters a :class:`GPT` of this shape holds (a tied weight once), counted
+        without building it (``GPT.num_parameters(non_embedding=False)``)."""
+        e, bias = self.n_embd, int(self.bias)
+        # A block: attention (3E + E wide) and the MLP (4E, back to E): 12 E^2 weights; two
+        # LayerNorm weights; biases of the four Linears (3E + E + 4E + E) and two LayerNorms.
+        block = 12 * e * e + 2 * e + bias * 11 * e
+        head = 0 if self.tie_weights else self.vocab_size * e
+        return ((self.vocab_size + self.block_size) * e + self.n_layer * block
+                + e * (1 + bias) + head)
+
     @classmethod
     def gpt2_small(cls, *, block_size: int = 1024, dropout: float = 0.0) -> GPTConfig:
         """GPT-2 small's shape (12 layers, 12 heads, width 768) at byte vocabulary.
