@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from accumix.cli.main import main
-from accumix.recipes.config_checks import check_model_fits
 from accumix.recipes.gpt import GPT, GPTConfig
 
 
@@ -71,6 +70,8 @@ def test_nproc_is_bounded_by_the_machine_unless_forced(monkeypatch: pytest.Monke
 
 
 def test_the_model_size_check_counts_what_the_gpt_holds() -> None:
+    from accumix.recipes.config_checks import check_model_fits
+
     for config in (GPTConfig(n_layer=2, n_embd=48, n_head=3, block_size=17),
                    GPTConfig(n_layer=1, n_embd=32, n_head=2, bias=False, tie_weights=False)):
         assert config.num_parameters() == GPT(config).num_parameters(non_embedding=False)

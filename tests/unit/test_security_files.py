@@ -9,6 +9,7 @@ links to a file of the "victim" (the training user) and checks the victim's byte
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,13 @@ def victim(tmp_path: Path) -> Path:
     path.parent.mkdir()
     path.write_bytes(VICTIM)
     return path
+
+
+def _umask_mode() -> int:
+    """What ``open(path, "w")`` gives a new file: 0o666 less the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _plant(run_dir: Path, name: str, target: Path) -> Path:
@@ -52,6 +60,9 @@ def test_save_state_writes_latest_without_following_links(tmp_path: Path, victim
     assert victim.read_bytes() == VICTIM
     assert not (run_dir / "model.safetensors").is_symlink()
     assert (run_dir / "model.safetensors").stat().st_size > 100
+    # What held: the umask decides the files' permissions (a temporary file's 0600 does not;
+    # safetensors itself writes model.safetensors 0600, as before).
+    assert stat.S_IMODE((run_dir / "latest").stat().st_mode) == _umask_mode()
 
 
 def test_the_run_lock_is_never_taken_through_a_link(tmp_path: Path, victim: Path) -> None:
@@ -129,6 +140,7 @@ def test_plot_and_tensorboard_never_write_through_links(tmp_path: Path, victim: 
     path = plot_metrics(run_dir)
     assert victim.read_bytes() == VICTIM
     assert not path.is_symlink() and path.read_bytes()[:4] == b"\x89PNG"
+    assert stat.S_IMODE(path.stat().st_mode) == _umask_mode()
     from accumix.trainer.loggers import TensorBoardLogger, tensorboard_available
 
     if tensorboard_available():

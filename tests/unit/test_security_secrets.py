@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from accumix.cli.main import main
-from accumix.common.redact import redact
 
 SECRET = "S3cretPw-4c1d"
 URI = f"postgresql://alice:{SECRET}@127.0.0.1:9/mlflow"
@@ -19,6 +18,8 @@ MASKED = "postgresql://alice:***@127.0.0.1:9/mlflow"
 
 
 def test_redact_masks_passwords_and_credential_parameters() -> None:
+    from accumix.common.redact import redact
+
     assert redact(f"error: {URI!r} failed") == f"error: {MASKED!r} failed"
     assert redact("mysql+pymysql://u:p@ss:w@db:3306/x?ssl=1") == "mysql+pymysql://u:***@db:3306/x?ssl=1"
     assert redact("https://host/api?user=a&token=abc123&x=1") == "https://host/api?user=a&token=***&x=1"

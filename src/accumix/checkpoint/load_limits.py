@@ -136,7 +136,11 @@ def check_metadata(directory: str | os.PathLike[str], metadata: Any) -> None:
     for index, info in (metadata.storage_data or {}).items():
         name = info.relative_path
         if name not in sizes:
-            sizes[name] = inside(directory, name, ".metadata").stat().st_size
+            file = inside(directory, name, ".metadata")
+            if not file.is_file():
+                raise CheckpointError(f"{where} names {name}, which is missing; the checkpoint "
+                                      "is torn")
+            sizes[name] = file.stat().st_size
         if info.transform_descriptors:
             raise CheckpointError(
                 f"{where}: {index.fqn} is stored through {list(info.transform_descriptors)}; "

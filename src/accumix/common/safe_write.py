@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -47,7 +47,7 @@ def _check_regular(path: Path, fd: int) -> None:
 
 
 def open_fd(path: str | os.PathLike[str], *, read: bool = False, append: bool = False,
-            truncate: bool = False, permissions: int = 0o644) -> int:
+            truncate: bool = False, permissions: int = 0o666) -> int:
     """A descriptor of ``path`` opened for writing (created if absent), without following a
     link at ``path`` and only on a regular file with one name; truncated (``truncate``) only
     after those checks.
@@ -92,12 +92,13 @@ def replace_bytes(path: str | os.PathLike[str], data: bytes, *, durable: bool = 
                   tmp: str | os.PathLike[str] | None = None) -> None:
     """Replaces ``path`` with ``data`` atomically: a temporary name (default ``.<name>.tmp``
     beside it) created exclusively (a leftover, or a link planted under that name, is removed
-    first, never followed), flushed (``durable``: to disk), then renamed over ``path``."""
+    first, never followed), flushed (``durable``: to disk), then renamed over ``path``; its
+    permissions are what ``open(path, "w")`` would give (the umask's)."""
     path = Path(path)
     tmp = Path(tmp) if tmp is not None else path.with_name(f".{path.name}.tmp")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # removes a planted link itself, not its target
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
@@ -117,10 +118,11 @@ def replace_text(path: str | os.PathLike[str], text: str, *, durable: bool = Tru
 def replace_with(path: str | os.PathLike[str], write: Callable[[str], Any]) -> None:
     """Replaces ``path`` with what ``write(tmp)`` writes to a fresh temporary name beside it
     (a library that takes a path: ``safetensors.save_file``, ``Figure.savefig``), then renames
-    it over ``path``; the temporary name is removed if ``write`` fails."""
+    it over ``path``; the temporary name is removed if ``write`` fails. Permissions as
+    ``open(path, "w")`` would give (``mkstemp``'s 0600 would hide the file from a team)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = str(path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp"))
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666))
     try:
         write(tmp)
         os.replace(tmp, path)

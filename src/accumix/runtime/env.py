@@ -82,17 +82,23 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
         kwargs["store"] = store
     else:
         kwargs["init_method"] = "env://"
+    held = None
     if is_loopback(os.environ["MASTER_ADDR"]):  # every rank on this machine: listen there only
         loopback.keep_local()
         if store is None and launch.rank == 0:  # env:// makes rank 0's store multi-tenant
-            loopback.hold_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    dist.init_process_group(
-        backend=backend,
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timedelta(seconds=timeout),
-        **kwargs,
-    )
+            held = int(os.environ["MASTER_PORT"])
+            loopback.hold_store(os.environ["MASTER_ADDR"], held)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout),
+            **kwargs,
+        )
+    finally:
+        if held is not None:  # the group's store keeps the server: it ends with the group
+            loopback.release_store(held)
     _created_group = True
     return True
 

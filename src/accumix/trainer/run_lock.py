@@ -55,7 +55,7 @@ def lock_run_dir(run_dir: Path) -> RunDirLock | None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Not through a link planted at .lock (it would be truncated and overwritten below).
-        fd = open_fd(path, read=True)
+        fd = open_fd(path, read=True, permissions=0o644)
     except OSError as exc:
         raise ConfigError(f"run directory {str(run_dir)!r} cannot be written ({exc.strerror}); "
                           "give a writable one") from None
