@@ -27,9 +27,10 @@ def _error(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
     ("grad_clip=.inf", "grad_clip=inf is invalid; use a finite number"),
     ("sample.top_k=0", "sample.top_k=0 is invalid"),
     # Before: the allocator's failure (the position table, 1e13 x 256 floats) as a traceback.
-    ("model.block_size=10000000000000", "model.* gives a GPT of 2.56e+15 parameters"),
-    # Before: built blocks until killed.
-    ("model.n_layer=100000000000000000000000", "model.* gives a GPT of 7.9e+28 parameters"),
+    ("model.block_size=10000000000000", "model: GPTConfig gives 2.56e+15 parameters, more "
+                                        "than 1e+15"),
+    # Before: built blocks until killed (accumix estimate-memory too, on the meta device).
+    ("model.n_layer=100000000000000000000000", "model: GPTConfig.n_layer must be <= 10,000"),
 ])
 def test_bad_recipe_values_are_one_line(override: str, message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -67,6 +68,27 @@ def test_nproc_is_bounded_by_the_machine_unless_forced(monkeypatch: pytest.Monke
     monkeypatch.setenv("ACCUMIX_OVERSUBSCRIBE", "1")
     err = _error(capsys, ["train", "nproc=100000"])
     assert "data-parallel world size 100000" in err
+
+
+def test_a_model_larger_than_the_host_is_refused_before_it_is_built(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``RuntimeError: DefaultCPUAllocator: can't allocate memory`` (a traceback, exit
+    1) for a GPT whose position table alone exceeds the host (here 1e10 x 32 floats)."""
+    from accumix.common.hardware import host_memory_bytes
+
+    memory = host_memory_bytes()
+    assert memory is not None and memory < 4 * 10**10 * 32  # 1.28 TB
+    err = _error(capsys, ["train", "nproc=1", "model.block_size=10000000000", "model.n_embd=32",
+                          "model.n_head=2", "model.n_layer=1"])
+    assert "model.* gives a GPT of 3.2e+11 parameters (1.19e+03 GiB in float32" in err
+    assert "more than this machine's memory" in err
+    # What held: the config itself takes such a model (`accumix estimate-memory` reads it to
+    # size models this host cannot hold: 412 GB of float32 here).
+    from accumix.cli.train import load_train_config
+
+    config = load_train_config(["model.n_layer=2", "model.n_embd=65536", "model.n_head=64"])
+    e = 65536  # tables, 2 blocks (12 E^2 weights, 13 E norms and biases), the final norm
+    assert config.model.num_parameters() == (256 + 128) * e + 2 * (12 * e * e + 13 * e) + 2 * e
 
 
 def test_the_model_size_check_counts_what_the_gpt_holds() -> None:

@@ -1,9 +1,12 @@
-"""Checks of the recipe's values that need more than a comparison, run when the config is read
-(before any process starts): the model fits this machine, ``init_from`` is a safetensors file.
+"""Checks of the recipe's values that need more than a comparison, before any process starts:
+``init_from`` is a safetensors file (when the config is read), the model fits this machine
+(``accumix train``, before it builds or launches anything; not in the config, which
+``accumix estimate-memory`` also reads for models larger than this host).
 
-Before them, ``model.n_layer=100000000000000000000000`` built blocks until the machine ran out of
-memory, a huge ``model.block_size`` failed inside torch's allocator, and ``init_from=`` a text
-file failed with a safetensors traceback on every rank.
+Before them, a huge ``model.block_size`` failed inside torch's allocator and ``init_from=`` a
+text file failed with a safetensors traceback on every rank. (``GPTConfig`` bounds the layers
+and parameters themselves: ``model.n_layer=100000000000000000000000`` built blocks until the
+machine ran out of memory.)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Literal
 from accumix.errors import ConfigError
 from accumix.precision.reduce_dtype import check_fp16_reduction, parse_reduce_dtype
 from accumix.precision.words import PRECISION_WORDS
-from accumix.recipes.config_checks import check_init_from, check_model_fits
+from accumix.recipes.config_checks import check_init_from
 from accumix.recipes.gpt import GPTConfig
 from accumix.strategies.registry import STRATEGY_WORDS
 
@@ -204,7 +204,6 @@ class TrainConfig:
                               "zero1 or fsdp (or backend=torch)")
         if self.init_from is not None:
             check_init_from(self.init_from)
-        check_model_fits(self.model)
         if self.strategy not in STRATEGY_WORDS:
             raise ConfigError(f"strategy={self.strategy!r} is invalid; use one of "
                               f"{', '.join(STRATEGY_WORDS)}")
