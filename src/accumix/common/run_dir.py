@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from accumix.common.safe_paths import inside, step_pointer
+from accumix.common.safe_write import fsync as fsync  # re-exported: where it was
 from accumix.common.safe_write import replace_text
 from accumix.errors import CheckpointError
 
@@ -109,19 +110,6 @@ def alternatives(step_dir: Path) -> str:
     if not others:
         return "the checkpoint is unusable and there is no other in its run directory"
     return f"the checkpoint is unusable; load an earlier one: {', '.join(others)}"
-
-
-def fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -106,7 +106,7 @@ def replace_bytes(path: str | os.PathLike[str], data: bytes, *, durable: bool = 
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if durable:
-        _fsync_dir(path.parent)
+        fsync(path.parent)
 
 
 def replace_text(path: str | os.PathLike[str], text: str, *, durable: bool = True,
@@ -156,7 +156,9 @@ def make_dir(path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flushes a file or directory to disk (a directory: the names in it); where the file
+    system refuses, nothing."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
