@@ -21,13 +21,7 @@ import torch
 import torch.distributed as dist
 
 # Re-exported: the launch variables are read by the torch-free module.
-from accumix.common.launch_env import (
-    DEFAULT_PORT,
-    LaunchEnv,
-    detect_launch_env,
-    first_host,
-    is_loopback,
-)
+from accumix.common.launch_env import DEFAULT_PORT, LaunchEnv, detect_launch_env, first_host
 from accumix.errors import ConfigError
 from accumix.runtime import loopback
 
@@ -82,13 +76,10 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
         kwargs["store"] = store
     else:
         kwargs["init_method"] = "env://"
-    held = None
-    if is_loopback(os.environ["MASTER_ADDR"]):  # every rank on this machine: listen there only
-        loopback.keep_local()
-        if store is None and launch.rank == 0:  # env:// makes rank 0's store multi-tenant
-            held = int(os.environ["MASTER_PORT"])
-            loopback.hold_store(os.environ["MASTER_ADDR"], held)
-    try:
+    # On a loopback address every rank is on this machine: the group listens there only (rank 0
+    # hosts env://'s store; torchrun's agent hosts its own).
+    with loopback.loopback_group(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 hosts_store=store is None and launch.rank == 0):
         dist.init_process_group(
             backend=backend,
             rank=launch.rank,
@@ -96,9 +87,6 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
             timeout=timedelta(seconds=timeout),
             **kwargs,
         )
-    finally:
-        if held is not None:  # the group's store keeps the server: it ends with the group
-            loopback.release_store(held)
     _created_group = True
     return True
 

@@ -118,6 +118,29 @@ def release_store(port: int) -> None:
     _held.pop(port, None)
 
 
+@contextlib.contextmanager
+def loopback_group(master_addr: str, master_port: int, *, hosts_store: bool) -> Iterator[bool]:
+    """Around a rank's ``init_process_group``: on a loopback ``master_addr``, gloo and NCCL
+    listen on the loopback interface (``keep_local``) and, when this rank ``hosts_store``
+    (rank 0 under ``env://``), so does the store: the group's store shares the server held
+    here, which is released after (it then ends with the group, as torch's own would).
+
+    Yields:
+        Whether the group was kept to loopback.
+    """
+    if not is_loopback(master_addr):
+        yield False
+        return
+    keep_local()
+    if hosts_store:
+        hold_store(master_addr, master_port)
+    try:
+        yield True
+    finally:
+        if hosts_store:
+            release_store(master_port)
+
+
 def exposure(master_addr: str, master_port: int, *, hosts_store: bool) -> str:
     """The start-up line of a job that spans machines: what listens, where, unauthenticated."""
     store = (f"the rendezvous store listens on port {master_port} of every interface of this "
