@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint bench clean
+.PHONY: run test install lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: a bare `torch` can pull a multi-GB CUDA build on these machines.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,jax,mlflow,wandb,clearml]"
+	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,jax,mlflow,wandb,clearml,s3,tensorboard,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,9 +21,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/accumix train
 
+# tests/docs runs every code block of README.md and docs/ and builds the site strictly.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
+
+# The docs site into site/ (open site/index.html); --strict: a broken link, anchor or API
+# reference fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -32,4 +38,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

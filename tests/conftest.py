@@ -28,6 +28,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # refuses more processes than cores unless told (tests/unit/test_security_config.py checks it).
 os.environ.setdefault("ACCUMIX_OVERSUBSCRIBE", "1")
 
+from collections.abc import Iterator  # noqa: E402
+
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -45,3 +47,34 @@ def _clean_process_state():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict[str, str]]:
+    """One local S3 server (moto, in this process, on loopback) for the whole session: the
+    environment s3fs reads (``AWS_ENDPOINT_URL`` and credentials), for this process (the
+    ``s3`` fixture) and for the ranks and jobs it starts (pass it in their environment)."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+       ) -> str:
+    """A fresh bucket on the session's S3 server, its URL (``s3://<bucket>``); this process's
+    environment points s3fs at the server for the test."""
+    import s3fs
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # an instance made for another endpoint
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())
+    bucket = f"t-{name[:50]}".rstrip("-")
+    s3fs.S3FileSystem(use_listings_cache=False).mkdir(bucket)
+    return f"s3://{bucket}"

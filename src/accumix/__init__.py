@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from accumix.common.preemption import request_preemption
 from accumix.errors import (
     AccumixError,
     CheckpointError,
@@ -71,6 +72,7 @@ __all__ = [
     "Strategy",
     "ZeRO1Strategy",
     "__version__",
+    "request_preemption",
     *_TRAINER,
     *_TRACKERS,
 ]

@@ -23,11 +23,12 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from accumix.checkpoint import background as checkpoint_background
 from accumix.checkpoint import model_file
 from accumix.checkpoint import save_load as checkpoint
 from accumix.common.micro_batch_search import (
@@ -48,18 +49,24 @@ from accumix.runtime.env import detect_launch_env, init_process_group, pick_devi
 from accumix.runtime.logging_setup import configure_logging
 from accumix.step import accum_steps, boundary, lifecycle, micro_step, object_setup
 from accumix.step.accumulation import AccumulationWindow
+from accumix.step.collectives import Collectives
 from accumix.step.compile import CompileSetting, resolve_compile, unwrap
 from accumix.step.run_state import RunState
 from accumix.step.run_view import RunView
 from accumix.strategies import Strategy, resolve_strategy
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
-class Accelerator(RunView):
+    from accumix.data.eval_loader import EvalLoader
+
+
+class Accelerator(RunView, Collectives):
     """Runs one plain PyTorch loop on a CPU, a GPU, many GPUs or many machines.
 
     Args:
-        strategy: ``"auto"``, ``"single"``, ``"ddp"`` (and the sharded words once installed), or
-            a ``Strategy`` object.
+        strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"zero1"``, ``"fsdp"``, ``"hsdp"``,
+            ``"deepspeed"``, or a ``Strategy`` object (``ax.FSDPStrategy(...)``).
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, ``"bf16-true"``, ``"auto"``,
             or a ``Policy``.
         grad_accum_steps: micro-steps per optimizer step (int >= 1); None derives it from the
@@ -85,6 +92,26 @@ class Accelerator(RunView):
 
     Raises:
         ConfigError: an unknown word, an impossible combination or batch sizes that don't divide.
+
+    Example:
+        ```python
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        import accumix as ax
+
+        data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        acc = ax.Accelerator(global_batch_size=16, micro_batch_size=4, seed=0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer, loader = acc.setup(model, optimizer, DataLoader(data, batch_size=4))
+        for x, y in loader:
+            with acc.accumulate():
+                acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+        assert (acc.grad_accum_steps, acc.optimizer_steps) == (4, 4)
+        ```
 
     Read-only state (``rank``, ``device``, ``optimizer_steps``, ...): ``step/run_view.py``.
     """
@@ -132,7 +159,7 @@ class Accelerator(RunView):
             # "auto" in a world > 1 starts as ddp; the memory model revises it at the first model.
             auto_strategy=strategy == "auto" and launch.world_size > 1,
             batch_sizes=batch_sizes, window=AccumulationWindow(steps or 1),
-            steps_known=steps is not None,
+            steps_known=steps is not None, timeout=timeout,
         )
         if seed is not None:
             seed_everything(seed)
@@ -156,6 +183,25 @@ class Accelerator(RunView):
             ConfigError: an object set up twice, of an unknown type, or without its partner.
         """
         return object_setup.setup(self._run, objects)
+
+    def setup_eval_loader(self, loader: DataLoader) -> EvalLoader:
+        """An evaluation loader that gives each sample to one rank: contiguous blocks of the
+        loader's samples, uneven, no padding (``acc.setup`` pads, as training needs). Sum a
+        metric's parts and ``acc.reduce(sums, "sum")`` after the loop, or ``acc.gather`` the
+        kept rows once after it (rank order is the loader's order): the one-process result on
+        any world size. Ranks may run different numbers of batches: no collective in the loop
+        (evaluate under ``torch.no_grad()``).
+
+        Args:
+            loader: the evaluation ``DataLoader`` (a plain one, not set up by ``acc.setup``).
+
+        Raises:
+            ConfigError: a loader that cannot be split without repeating or losing samples
+                (an IterableDataset or a custom batch_sampler on several ranks, a weighted
+                sampler); at an epoch's start, unequal batch counts under a strategy whose
+                forward communicates (fsdp, hsdp, DeepSpeed stage 3).
+        """
+        return object_setup.setup_eval_loader(self._run, loader)
 
     def find_micro_batch_size(self, step: Callable[[Any], Any], make_batch: Callable[[int], Any],
                               *, headroom: float = DEFAULT_HEADROOM,
@@ -188,9 +234,19 @@ class Accelerator(RunView):
 
     # -- the step ------------------------------------------------------------------------------
     def accumulate(self, *models: nn.Module) -> micro_step._MicroStep:
-        """One micro-step. Off the boundary, gradient communication is off for ``models``
-        (default: every set-up model); the last micro-step of a window (or of the epoch's data)
-        is the boundary, where ``sync_gradients`` is True."""
+        """One micro-step: ``with acc.accumulate(): ...`` around its forward, backward and steps.
+
+        Off the boundary, gradient communication is off; the last micro-step of a window (or
+        of the epoch's data) is the boundary, where ``sync_gradients`` is True and the
+        optimizer steps really step.
+
+        Args:
+            models: the models whose gradient communication this micro-step controls
+                (default: every set-up model).
+
+        Returns:
+            A context manager (enter it once per micro-step; micro-steps never nest).
+        """
         # The common call has no arguments: reuse one context (micro-steps never nest).
         return micro_step._MicroStep(self._run, models) if models else self._micro_step
 
@@ -245,28 +301,13 @@ class Accelerator(RunView):
         """
         return boundary.clip_grad_norm(self._run, max_norm, norm_type, parameters)
 
-    # -- collectives and helpers ---------------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """A copy of ``tensor`` reduced over all ranks (``"mean"`` or ``"sum"``)."""
-        if reduction not in ("mean", "sum"):
-            raise ConfigError(f"reduction={reduction!r} is invalid; use 'mean' or 'sum'")
-        return self.strategy.all_reduce(tensor.detach().clone(), reduction)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along dim 0 (stacked if 0-dim), rank order."""
-        parts = self.strategy.all_gather(tensor.detach())
-        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
-
-    def barrier(self) -> None:
-        self.strategy.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
-
+    # -- helpers ------------------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper)."""
+        """The user's module inside what ``setup`` returned (never ``torch.compile``'s wrapper).
+
+        Args:
+            model: a set-up model (or a plain one, returned as it is).
+        """
         return unwrap(self._run.strategy, model)
 
     def save_model(self, directory: str | os.PathLike[str], model: nn.Module | None = None
@@ -276,6 +317,10 @@ class Accelerator(RunView):
         Collective: every rank calls it; rank 0 writes. Keys are the unwrapped model's
         ``state_dict`` keys.
 
+        Args:
+            directory: created if needed.
+            model: the set-up model to write (default: the only one set up).
+
         Returns:
             The file's path.
         """
@@ -284,7 +329,8 @@ class Accelerator(RunView):
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, run_dir: str | os.PathLike[str], keep_last: int | None = None, *,
                    extra_state: dict[str, Any] | None = None,
-                   before_publish: Callable[[Path], None] | None = None) -> Path:
+                   before_publish: Callable[[Any], None] | None = None,
+                   background: bool = False) -> Any:
         """Saves everything a run needs to continue exactly, as ``run_dir/step-<optimizer_steps>``.
 
         Models and optimizers (through the strategy: sharded where it shards), LR schedulers,
@@ -292,10 +338,13 @@ class Accelerator(RunView):
         (python, numpy, torch, CUDA) and every set-up DataLoader's epoch and position. Written
         to a temporary directory, flushed and renamed; ``run_dir/latest`` is replaced last.
         Collective: every rank calls it, between windows (after the ``with acc.accumulate():``
-        block of a boundary), with ``run_dir`` on a filesystem all ranks share.
+        block of a boundary). ``run_dir`` may be on a filesystem all ranks share, on each
+        node's own disk (every node then publishes its ranks' files and the metadata a load
+        needs, and ``latest`` moves only once every node has), or an fsspec URL
+        (``s3://bucket/job``: objects written in place, ``meta.json`` then ``latest`` last).
 
         Args:
-            run_dir: the run's directory (created if needed).
+            run_dir: the run's directory (created if needed), a path or an object store URL.
             keep_last: keep this many newest step directories, deleting older ones.
             extra_state: a JSON-safe dict stored with the checkpoint (rank 0's), read back
                 with ``accumix.checkpoint.extra_state(step_dir)``; the Trainer keeps its
@@ -303,17 +352,34 @@ class Accelerator(RunView):
             before_publish: ``before_publish(tmp_step_dir)``, on every rank, writes more files
                 into the step directory before it is published (listed in its manifest, so a
                 crash in between never publishes a checkpoint without them).
+            background: return once the state is copied to host memory; the write and the
+                publish run in a thread. At most one save is in flight: the next save, a load,
+                ``wait_for_save`` and ``end`` wait for it and raise its error on every rank.
 
         Returns:
-            The step directory written.
+            The step directory written (with ``background``: being written).
 
         Raises:
             AccumixError: called inside an accumulation window.
-            ConfigError: ``extra_state`` is not JSON (nothing is written).
-            CheckpointError: a rank failed to write (every rank raises it).
+            ConfigError: ``extra_state`` is not JSON, or ``run_dir`` a URL that cannot be used
+                (nothing is written).
+            CheckpointError: a rank failed to write (every rank raises it), or the previous
+                background save failed.
         """
         return checkpoint.save_state(self._run, run_dir, keep_last=keep_last,
-                                     extra_state=extra_state, before_publish=before_publish)
+                                     extra_state=extra_state, before_publish=before_publish,
+                                     background_write=background)
+
+    def wait_for_save(self) -> Any:
+        """Waits for the background save in flight (collective when there is one).
+
+        Returns:
+            The step directory it published, or None when none was in flight.
+
+        Raises:
+            CheckpointError: it failed on some rank (every rank raises it).
+        """
+        return checkpoint_background.finish(self._run, "acc.wait_for_save")
 
     def load_state(self, path: str | os.PathLike[str], *, strict: bool = True) -> Path:
         """Restores a ``save_state`` checkpoint into what was set up; training then continues
@@ -376,13 +442,17 @@ class Accelerator(RunView):
             else lambda directory, keep: self.save_state(directory, keep_last=keep))
 
     def end(self) -> None:
-        """Waits for every rank and releases what the strategy holds.
+        """Waits for the background save in flight (raising its error, on every rank), then
+        for every rank, and releases what the strategy holds.
 
         The process group stays up for a later Accelerator in this process and is destroyed at
         exit: destroying it here races a rank that re-creates it at once against a peer whose
         old store still answers on the same port (a hang).
         """
-        lifecycle.end(self._run)
+        try:
+            checkpoint_background.finish(self._run, "acc.end")
+        finally:
+            lifecycle.end(self._run)
 
 
 def _agreed_reduce_dtype(strategy: Strategy, reduce_dtype: str | torch.dtype | None) -> Policy:

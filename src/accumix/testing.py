@@ -34,7 +34,17 @@ class RankFailed(RuntimeError):
 
 def node_variables(rank: int, world: int, nodes: int = 1) -> dict[str, str]:
     """torchrun's variables for ``rank`` of ``world`` ranks on ``nodes`` machines of equal size,
-    ranks numbered node by node (as torchrun's agents number them)."""
+    ranks numbered node by node (as torchrun's agents number them).
+
+    Args:
+        rank: the global rank.
+        world: the number of ranks over every node.
+        nodes: the number of machines (it divides ``world``).
+
+    Returns:
+        ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` and
+        ``GROUP_WORLD_SIZE``, as strings.
+    """
     per_node = world // nodes
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
             "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node),
@@ -118,7 +128,11 @@ def spawn(fn: Callable[..., Any], nprocs: int = 2, args: tuple[Any, ...] = (),
 
 
 class ResidualBlock(nn.Module):
-    """``x + tanh(Linear(x))``: a tiny repeated block that FSDP's auto wrap finds."""
+    """``x + tanh(Linear(x))``: a tiny repeated block that FSDP's auto wrap finds.
+
+    Args:
+        width: the features in and out.
+    """
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -156,9 +170,15 @@ _DEEPSPEED = {"all_gather_into_tensor": (0, "output_tensor"),
 
 
 class Collective(NamedTuple):
-    """One collective call on this rank: the function, the group's global ranks, the payload's
-    dtype and bytes (the whole logical tensor: what an all-gather delivers, what a
-    reduce-scatter reduces)."""
+    """One collective call on this rank, as ``CollectiveLog`` records it.
+
+    Attributes:
+        op: the function's name (``all_reduce``, ``reduce_scatter_tensor``, ...).
+        ranks: the global ranks of the call's group.
+        dtype: the payload's dtype.
+        nbytes: the payload's bytes: the whole logical tensor (what an all-gather delivers,
+            what a reduce-scatter reduces).
+    """
 
     op: str
     ranks: tuple[int, ...]
@@ -281,7 +301,15 @@ def _funcol_payload(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, g
 
 # -- what a reduce dtype costs in accuracy (issue 33) ---------------------------------------
 class TinyTransformer(nn.Module):
-    """A pre-norm causal transformer small enough for CPU tests (float64 works: the reference)."""
+    """A pre-norm causal transformer small enough for CPU tests (float64 works: the reference).
+
+    Args:
+        vocab: token ids are below this.
+        width: the residual stream's width.
+        heads: attention heads per layer.
+        layers: ``nn.TransformerEncoderLayer`` blocks.
+        seq: the longest sequence (the learned position table's length).
+    """
 
     def __init__(self, vocab: int = 64, width: int = 32, heads: int = 2, layers: int = 2,
                  seq: int = 16) -> None:
@@ -304,27 +332,54 @@ class TinyTransformer(nn.Module):
 
 def token_batches(steps: int, samples: int, *, vocab: int = 64, seq: int = 16, seed: int = 0
                   ) -> torch.Tensor:
-    """``[steps, samples, seq + 1]`` random tokens: each optimizer step's global batch."""
+    """``[steps, samples, seq + 1]`` random tokens: each optimizer step's global batch.
+
+    Args:
+        steps: optimizer steps.
+        samples: the global batch of each step.
+        vocab: token ids are below this.
+        seq: tokens per sample, plus one (the last token's target).
+        seed: the generator's seed.
+    """
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (steps, samples, seq + 1), generator=gen)
 
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting each token from the ones before it."""
+    """Mean cross-entropy of predicting each token from the ones before it.
+
+    Args:
+        model: maps ``[rows, seq]`` tokens to ``[rows, seq, vocab]`` logits.
+        tokens: ``[rows, seq + 1]`` tokens.
+    """
     logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                        tokens[:, 1:].reshape(-1))
 
 
 def flat_weights(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A state dict's tensors as one float64 vector, in order."""
+    """A state dict's tensors as one float64 vector, in order.
+
+    Args:
+        state: a model's ``state_dict()`` (full tensors).
+    """
     return torch.cat([v.detach().double().reshape(-1).cpu() for v in state.values()])
 
 
 def reference_weights(batches: torch.Tensor, *, lr: float, momentum: float, seed: int = 0,
                       dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch on one process: one SGD step per global batch, in ``dtype``. Returns the
-    initial and the final weights, flat."""
+    """Plain PyTorch on one process: one SGD step per global batch, in ``dtype``.
+
+    Args:
+        batches: ``token_batches``' output, one global batch per step.
+        lr: SGD's learning rate.
+        momentum: SGD's momentum.
+        seed: seeds the ``TinyTransformer``'s initialisation.
+        dtype: the dtype the reference trains in (float64: the exact one).
+
+    Returns:
+        The initial and the final weights, flat (``flat_weights``).
+    """
     torch.manual_seed(seed)
     model = TinyTransformer().to(dtype)
     first = flat_weights(model.state_dict())
@@ -338,8 +393,17 @@ def reference_weights(batches: torch.Tensor, *, lr: float, momentum: float, seed
 
 def relative_errors(got: torch.Tensor, first: torch.Tensor, exact: torch.Tensor
                     ) -> dict[str, float]:
-    """``weights``: ||w - w_exact|| / ||w_exact||; ``update``: the same over the training's
-    own movement ||w_exact - w_0|| (the stricter one: the weights barely move in 10 steps)."""
+    """How far ``got`` is from ``exact``, relative to the weights and to the training's movement.
+
+    Args:
+        got: the weights to judge, flat.
+        first: the initial weights, flat.
+        exact: the reference's final weights, flat.
+
+    Returns:
+        ``weights``: ||w - w_exact|| / ||w_exact||; ``update``: the same over the training's
+        own movement ||w_exact - w_0|| (the stricter one: the weights barely move in 10 steps).
+    """
     distance = (got - exact).norm().item()
     return {"weights": distance / exact.norm().item(),
             "update": distance / (exact - first).norm().item()}
@@ -351,6 +415,17 @@ def reduction_error_job(strategy: Any, *, reduce_dtype: str | None, precision: s
     """One rank of the issue-33 measurement: ``TinyTransformer`` trained with accumix (every
     rank ``per_rank`` samples per optimizer step in K micro-batches, so the global batch does
     not change with K), against the same run in float64 on one process (rank 0).
+
+    Args:
+        strategy: a strategy word or object.
+        reduce_dtype: the ``Accelerator``'s ``reduce_dtype``.
+        precision: the precision word.
+        grad_accum_steps: K.
+        steps: optimizer steps.
+        per_rank: each rank's samples per optimizer step (split into K micro-batches).
+        lr: SGD's learning rate.
+        momentum: SGD's momentum.
+        seed: the data's and the model's seed.
 
     Returns:
         ``bytes``: gradient payload bytes this rank handed to its collectives per optimizer

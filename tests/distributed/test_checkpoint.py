@@ -15,6 +15,12 @@ B. 2 ranks, new processes and process group: each strategy resumes from ``latest
    from step 1 and must end bit-identical to A's reference; a truncated checkpoint is refused on
    every rank and the previous one still loads; C's 1-rank checkpoints continue on 2 ranks.
 
+Object storage and saves behind the loop (issue 40) ride in A and B, on the session's local S3
+server: in A, ddp saves to ``s3://<bucket>/ddp`` in the loop and fsdp to ``.../fsdp`` in the
+background, after steps 1, 2 and 3 with ``keep_last=2``, and are abandoned; ddp also runs to the
+end saving after every step, once in the background to S3 and once in the loop to disk. In B
+both resume from the bucket and must end bit-identical to A's reference, as must both full runs.
+
 The cross-strategy matrix rides in the same three jobs (a spawn and DeepSpeed's import cost
 seconds): fp32, AdamW + StepLR, 48 samples in windows of 12 (2 ranks: micro-batch 2, K=3; one
 rank: K=6), a checkpoint after step 2 of 4. A saves from ddp, zero1, fsdp and deepspeed
@@ -81,6 +87,7 @@ def _run(strategy: str, *, precision: str = "fp16-mixed", steps: int = 3, dropou
         torch.manual_seed(1234)  # whatever the RNG holds now, the checkpoint's must win
         acc.load_state(load)
     train(acc, objects, epochs=EPOCHS, **train_kwargs)
+    acc.wait_for_save()  # a background save still in flight
     # numpy: torch tensors would cross the result queue as shared memory of a finished process
     return {k: v.float().numpy() for k, v in params(acc, objects[0]).items()}, acc.optimizer_steps
 
@@ -134,8 +141,14 @@ def _matrix_loads(tmp: str, saved: str, loaded: str, loaders: list[str]) -> dict
         for saver in MATRIX for strategy in loaders}
 
 
-def _save_on_two_ranks(tmp: str) -> dict[str, Any]:
+def _save_on_two_ranks(tmp: str, s3: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for strategy, background in (("ddp", False), ("fsdp", True)):  # to S3, then abandoned
+        _run(strategy, stop_at=3, save_at={1, 2, 3}, run_dir=f"{s3}/{strategy}",
+             background=background)
+    out["ddp-background"] = _run("ddp", save_at={1, 2, 3, 4}, run_dir=f"{s3}/ddp-background",
+                                 background=True)
+    out["ddp-in-loop"] = _run("ddp", save_at={1, 2, 3, 4}, run_dir=f"{tmp}/ddp-in-loop")
     for saver in MATRIX:  # first: the uninterrupted run that saves on the way
         out[("straight", saver)] = _matrix_run(saver, 2, stage=SAVE_STAGE[2],
                                                save=f"{tmp}/m2-{saver}")
@@ -166,8 +179,9 @@ def _on_one_rank(tmp: str) -> dict[str, Any]:
     return out
 
 
-def _resume_on_two_ranks(tmp: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _resume_on_two_ranks(tmp: str, s3: str) -> dict[str, Any]:
+    out: dict[str, Any] = {f"{strategy}-s3": _run(strategy, load=f"{s3}/{strategy}")
+                           for strategy in ("ddp", "fsdp")}
     for strategy in STRATEGIES:
         out[strategy] = _run(strategy, load=f"{tmp}/{strategy}")
         out[f"{strategy}-step1"] = _run(strategy, load=f"{tmp}/{strategy}/step-1")
@@ -219,9 +233,9 @@ def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
-def test_resume_exact_and_reshard(tmp_path: Path) -> None:
+def test_resume_exact_and_reshard(tmp_path: Path, s3_server: dict[str, str], s3: str) -> None:
     tmp = str(tmp_path)
-    saved = spawn(_save_on_two_ranks, nprocs=2, args=(tmp,))[0]
+    saved = spawn(_save_on_two_ranks, nprocs=2, args=(tmp, s3), env=s3_server)[0]
     for strategy in STRATEGIES:
         assert saved[strategy][1] == 4, (strategy, saved[strategy][1])
         assert (tmp_path / strategy / "latest").read_text().strip() == "step-3"
@@ -230,7 +244,8 @@ def test_resume_exact_and_reshard(tmp_path: Path) -> None:
     shutil.copytree(tmp_path / "ddp", tmp_path / "torn")
     shard = tmp_path / "torn" / "step-3" / "model" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])
-    resumed = spawn(_resume_on_two_ranks, nprocs=2, args=(tmp,))[0]
+    resumed = spawn(_resume_on_two_ranks, nprocs=2, args=(tmp, s3), env=s3_server)[0]
+    _check_object_store(saved, resumed, s3)
 
     for strategy in STRATEGIES:  # bit for bit, from mid-epoch 1 and from mid-epoch 0
         assert resumed[strategy][1] == saved[strategy][1]
@@ -250,6 +265,24 @@ def test_resume_exact_and_reshard(tmp_path: Path) -> None:
         assert one[strategy][1] == 4 and resumed[f"{strategy}-from-one"][1] == 4
         assert _max_diff(one[strategy][0], reference[0]) < RESHARD_TOL, strategy
         assert _max_diff(resumed[f"{strategy}-from-one"][0], reference[0]) < RESHARD_TOL
+
+
+def _check_object_store(saved: dict[Any, Any], resumed: dict[Any, Any], s3: str) -> None:
+    import s3fs
+
+    store = s3fs.S3FileSystem(use_listings_cache=False)
+    bucket = s3.removeprefix("s3://")
+    for strategy in ("ddp", "fsdp"):  # killed after step 3, resumed from the bucket: exact
+        assert resumed[f"{strategy}-s3"][1] == saved[strategy][1] == 4
+        assert _equal(resumed[f"{strategy}-s3"][0], saved[strategy][0]), strategy
+        steps = sorted(p.rsplit("/", 1)[1] for p in store.ls(f"{bucket}/{strategy}")
+                       if "/step-" in p)
+        assert steps == ["step-2", "step-3"], steps  # keep_last=2
+        assert store.cat_file(f"{bucket}/{strategy}/latest") == b"step-3\n"
+    # Saves behind the loop change nothing: the same run saving in the loop, and never saving.
+    assert _equal(saved["ddp-background"][0], saved["ddp-in-loop"][0])
+    assert _equal(saved["ddp-background"][0], saved["ddp"][0])
+    assert store.cat_file(f"{bucket}/ddp-background/latest") == b"step-4\n"
 
 
 def _check_matrix(saved: dict[Any, Any], one: dict[Any, Any], resumed: dict[Any, Any],

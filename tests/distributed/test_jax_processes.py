@@ -1,9 +1,10 @@
 """accumix.jax on 2 processes under ``accumix launch`` (jax.distributed, gloo on loopback).
 
 One job trains ddp and fsdp on 2 processes x 2 CPU devices against the one-device large batch
-and saves fsdp's state mid-run, then trains from a torch DataLoader sharded per process and
-saves mid-epoch, then chooses micro_batch_size='auto' (the minimum over processes); new
-processes resume both bitwise; one process loads the first resharded.
+and saves fsdp's state mid-run (also to the session's S3, in the background), then trains from a
+torch DataLoader sharded per process and saves mid-epoch, then chooses micro_batch_size='auto'
+(the minimum over processes); new processes resume all three bitwise and refuse a run directory
+per process; one process loads the first resharded.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ SCRIPT = ROOT / "tests" / "scripts" / "jax_train.py"
 ACCUMIX = [sys.executable, "-m", "accumix.cli.main"]
 
 
-def _env(devices: int) -> dict[str, str]:
+def _env(devices: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra or {})
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
-def _run(cmd: list[str], devices: int) -> None:
-    done = subprocess.run(cmd, env=_env(devices), capture_output=True, text=True, timeout=240,
-                          cwd=ROOT)
+def _run(cmd: list[str], devices: int, extra: dict[str, str] | None = None) -> None:
+    done = subprocess.run(cmd, env=_env(devices, extra), capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -43,8 +45,11 @@ def _results(out: Path, mode: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"{mode}-*.json"))]
 
 
-def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -> None:
-    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "train"], devices=2)
+def test_two_processes_train_resume_bitwise_and_reshard_to_one(
+        tmp_path: Path, s3_server: dict[str, str], s3: str) -> None:
+    s3_env = {**s3_server, "ACCUMIX_TEST_S3": s3}
+    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "train"], devices=2,
+         extra=s3_env)
     trained = _results(tmp_path, "train")
     assert [(r["process"], r["processes"], r["devices"]) for r in trained] == [
         (0, 2, 4), (1, 2, 4)]
@@ -81,6 +86,15 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     for r in trained:
         assert set(r["uneven_eval"]) == {"item-5", "item-3", "mean-5", "mean-3"}, r
         assert all(d < 1e-5 for d in r["uneven_eval"].values()), r["uneven_eval"]
+    # Issue 44: acc.gather of unequal rows is their concatenation in process order (int64
+    # past int32's range intact); a trailing shape that differs is one line on both.
+    assert [r["gather"] for r in trained] == [
+        {"ids": [0, 2**40, 10], "hit": [False, True, True], "n": [0.5, 1.5],
+         "dtype": "int64"}] * 2
+    assert [r["gather_error"] for r in trained] == [
+        "acc.gather needs the same shape after the first dimension and the same dtype on "
+        "every rank: rank 0 [2, 3] float32, rank 1 [1, 4] float32; only the first dimension "
+        "may differ"] * 2
     # The same windows in mean mode with a masked token mean (0/0 on padding), fsdp both
     # modes: the padded micro-step adds exact zeros (NaN when it ran on the padding's zeros).
     for r in trained:
@@ -98,9 +112,17 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(tmp_path: Path) -
     assert [r["chosen"] for r in _results(tmp_path, "auto")] == [4, 4]
     assert [r["grad_accum_steps"] for r in _results(tmp_path, "auto")] == [4, 4]
 
-    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "resume"], devices=2)
+    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "resume"], devices=2,
+         extra=s3_env)
     resumed = _results(tmp_path, "resume")
     assert [(r["loaded_step"], r["bitwise"]) for r in resumed] == [(2, True), (2, True)]
+    # Issue 40: the same step saved to S3 in the background resumes bitwise too.
+    assert [(r["loaded_step_s3"], r["bitwise_s3"]) for r in resumed] == [(2, True), (2, True)]
+    # Issue 40: a run directory per process (no shared disk) is refused in one line, alike.
+    refusals = [r["per_process"] for r in resumed]
+    assert refusals[0].replace("own-0", "own-1") == refusals[1], refusals  # each its own path
+    assert "\n" not in refusals[0]
+    assert "processes [[0], [1]]" in refusals[0] and "orbax" in refusals[0], refusals[0]
     # The mid-epoch loader save resumes bitwise in the new processes too.
     assert [r["params"] for r in _results(tmp_path, "loader-resume")] == [loader[0]["params"]] * 2
 

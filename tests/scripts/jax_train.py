@@ -4,7 +4,8 @@
                                          # every strategy object (built before JAX starts) on
                                          # windows of 4 and 3 micro-batches; then a torch
                                          # DataLoader per process, saved mid-epoch
-    python jax_train.py OUT_DIR resume   # loads both saves, continues; writes the params
+    python jax_train.py OUT_DIR resume   # loads both saves, continues; writes the params;
+                                         # a save to a directory per process is refused
     python jax_train.py OUT_DIR mismatch # process 1 asks for another K: a ConfigError (process
                                          # 0 first tries to bind JAX's coordinator port)
 
@@ -190,6 +191,22 @@ def uneven_eval(result: dict[str, object]) -> None:
     result["uneven_eval"] = got
 
 
+def gather_rows(result: dict[str, object], acc: axj.Accelerator) -> None:
+    """``acc.gather`` (issue 44): 2 rows of int64 (past int32's range) and bool on process 0,
+    1 on process 1, in a dict with a 0-dim leaf: the concatenation in process order; then a
+    trailing shape that differs: one line on both processes."""
+    p = jax.process_index()
+    ids = np.array([0, 2**40], np.int64) if p == 0 else np.array([10], np.int64)
+    got = acc.gather({"ids": ids, "hit": ids > 5, "n": np.float32(p + 0.5)})
+    result["gather"] = {"ids": got["ids"].tolist(), "hit": got["hit"].tolist(),
+                        "n": got["n"].tolist(), "dtype": str(got["ids"].dtype)}
+    try:
+        acc.gather(np.zeros((2, 3) if p == 0 else (1, 4), np.float32))
+        result["gather_error"] = None
+    except axj.ConfigError as exc:
+        result["gather_error"] = str(exc)
+
+
 def strategy_objects() -> dict[str, axj.JaxStrategy]:
     """Every JAX strategy class, built before JAX starts (the README's way to ask for
     ``sync_each_microstep``): the mesh must wait for ``jax.distributed`` (was a RuntimeError
@@ -367,6 +384,10 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
                 state, _ = step(state, mine(window, processes))
                 if strategy == "fsdp" and i + 1 == SAVE_AT:
                     acc.save_state(out / "run", state)
+                    # Issue 40: the same step to the test's S3, behind the next windows.
+                    acc.save_state(f"{os.environ['ACCUMIX_TEST_S3']}/run", state,
+                                   background=True)
+            acc.end()  # waits for the background save
             result[strategy] = w.max_diff(state.params, ref)
             if strategy == "fsdp":
                 gathered = jax.tree.map(
@@ -375,27 +396,41 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
                 if acc.is_main_process:
                     np.savez(out / "uninterrupted.npz", **flat(gathered))
     else:
-        state = acc.setup(w.init_params(), w.optimizer())
-        state = acc.load_state(out / "run", state)
-        result["loaded_step"] = int(state.step)
-        step = acc.train_step(w.item_loss)
-        rows = ROWS * processes // jax.process_count()
-        for window in windows[SAVE_AT:]:
-            p = jax.process_index()
-            local = [jax.tree.map(lambda x, p=p: x[p * rows:(p + 1) * rows], m) for m in window]
-            state, _ = step(state, local)
-        gathered = jax.tree.map(
-            lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
-            state.params)
         done = np.load(out / "uninterrupted.npz")
-        now = flat(gathered)
-        result["bitwise"] = all(np.array_equal(done[k], now[k]) for k in now)
-        result["max_diff"] = max(float(np.max(np.abs(done[k] - now[k]))) for k in now)
+        sources: list[tuple[object, str]] = [(out / "run", "")]
+        if mode == "resume":  # issue 40: the same step from S3 (saved in the background)
+            sources.append((f"{os.environ['ACCUMIX_TEST_S3']}/run", "_s3"))
+        for source, suffix in sources:
+            if suffix:
+                acc = axj.Accelerator(strategy="fsdp", precision="fp32", grad_accum_steps=K)
+            state = acc.setup(w.init_params(), w.optimizer())
+            state = acc.load_state(source, state)
+            result["loaded_step" + suffix] = int(state.step)
+            step = acc.train_step(w.item_loss)
+            rows = ROWS * processes // jax.process_count()
+            for window in windows[SAVE_AT:]:
+                p = jax.process_index()
+                local = [jax.tree.map(lambda x, p=p, r=rows: x[p * r:(p + 1) * r], m)
+                         for m in window]
+                state, _ = step(state, local)
+            gathered = jax.tree.map(
+                lambda x: jax.experimental.multihost_utils.process_allgather(x, tiled=True),
+                state.params)
+            now = flat(gathered)
+            result["bitwise" + suffix] = all(np.array_equal(done[k], now[k]) for k in now)
+            result["max_diff" + suffix] = max(float(np.max(np.abs(done[k] - now[k])))
+                                              for k in now)
         if mode == "reshard":
             hsdp_on_one_process(result, out)
+        if mode == "resume":  # a run directory per process (no shared disk): refused
+            try:
+                acc.save_state(out / f"own-{jax.process_index()}", state)
+            except axj.CheckpointError as exc:
+                result["per_process"] = str(exc)
     if mode == "train" and acc.world_size > 1:
         uneven_and_single(result)
         uneven_eval(result)
+        gather_rows(result, acc)
         uneven_every_strategy(result, early, out)
     (out / f"{mode}-{jax.process_index()}.json").write_text(json.dumps(result))
     if mode in ("train", "resume") and acc.world_size > 1:

@@ -5,9 +5,13 @@ restore. As a script it auto-resumes from ``RUN_DIR/latest`` and can hurt itself
 
     python -m torch.distributed.run --nproc-per-node 2 --max-restarts 1 \\
         tests/scripts/resumable_train.py RUN_DIR [--kill-at N] [--term-at N] [--hang-at N]
-        [--hang-between N] [--hang-before-save N] [--hang-in-write N]
+        [--hang-between N] [--hang-before-save N] [--hang-in-write N] [--kill-in-write N]
 
+``--strategy S``: ddp unless given. ``--per-node``: each node (torchrun's ``GROUP_RANK``) has
+its own run directory, ``RUN_DIR/node<g>`` (no shared disk).
 ``--kill-at N``: on the first attempt, rank 1 SIGKILLs itself one micro-step after step N.
+``--kill-in-write N``: the first attempt saves in the background, and rank 1 SIGKILLs itself
+inside its write of step N (later attempts save in the loop).
 ``--term-at N``: on a restarted attempt, rank 1 sends itself SIGTERM one micro-step after
 step N (pre-emption: every rank saves at the next boundary and exits 0).
 ``--hang-at N``: rank 1 sleeps forever one micro-step after step N; ``--hang-between N``: at
@@ -82,9 +86,11 @@ def train(acc: ax.Accelerator, objects: tuple[Any, ...], *, epochs: int,
           stop_at: int | None = None, save_at: Container[int] = (),
           run_dir: str | os.PathLike[str] | None = None,
           after_micro_step: Callable[[ax.Accelerator], None] | None = None,
-          at_boundary: Callable[[ax.Accelerator], None] | None = None) -> None:
-    """The loop of DESIGN.md; saves after the steps in ``save_at``, returns after ``stop_at``;
-    ``at_boundary`` runs after each boundary's micro-step, before its save."""
+          at_boundary: Callable[[ax.Accelerator], None] | None = None,
+          background: bool = False) -> None:
+    """The loop of DESIGN.md; saves after the steps in ``save_at`` (``background``: behind
+    the loop), returns after ``stop_at``; ``at_boundary`` runs after each boundary's
+    micro-step, before its save."""
     model, opt, loader, sched = objects
     for _ in range(loader.epoch, epochs):
         for x, y in loader:
@@ -98,7 +104,7 @@ def train(acc: ax.Accelerator, objects: tuple[Any, ...], *, epochs: int,
                 if at_boundary is not None:
                     at_boundary(acc)
                 if acc.optimizer_steps in save_at:
-                    acc.save_state(run_dir, keep_last=2)
+                    acc.save_state(run_dir, keep_last=2, background=background)
                 if acc.optimizer_steps == stop_at:
                     return
             if after_micro_step is not None:
@@ -114,20 +120,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--per-node", action="store_true")
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--term-at", type=int)
     parser.add_argument("--hang-at", type=int)
     parser.add_argument("--hang-between", type=int)
     parser.add_argument("--hang-before-save", type=int)
     parser.add_argument("--hang-in-write", type=int)
+    parser.add_argument("--kill-in-write", type=int)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--reference", help="then train uninterrupted, write it here")
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
+    if args.per_node:
+        run_dir = run_dir / f"node{os.environ['GROUP_RANK']}"
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    acc = ax.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=STEPS, seed=0,
-                         timeout=args.timeout)
+    acc = ax.Accelerator(strategy=args.strategy, precision="fp32", grad_accum_steps=STEPS,
+                         seed=0, timeout=args.timeout)
     objects = build(acc)
     acc.handle_preemption(run_dir)
     resumed = acc.load_state(run_dir).name if latest_checkpoint(run_dir) else "-"
@@ -159,13 +170,22 @@ def main() -> None:
             from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
             FileSystemWriter.write_data = lambda *_: hang()  # type: ignore[method-assign]
+        if acc.rank == 1 and acc.optimizer_steps == args.kill_in_write and attempt == 0:
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+            def die(*_: Any) -> None:  # inside this rank's (background) write of the step
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            FileSystemWriter.write_data = die  # type: ignore[method-assign]
 
     train(acc, objects, epochs=args.epochs, save_at=range(2, 10**6, 2), run_dir=run_dir,
-          after_micro_step=hurt, at_boundary=before_save)
+          after_micro_step=hurt, at_boundary=before_save,
+          background=args.kill_in_write is not None and attempt == 0)
     acc.save_model(run_dir / "final", objects[0])
     event(run_dir, acc, f"attempt {attempt} finished at step {acc.optimizer_steps}")
     if args.reference:  # the same job never interrupted (saves a launch in the tests)
-        ref = ax.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=STEPS, seed=0)
+        ref = ax.Accelerator(strategy=args.strategy, precision="fp32", grad_accum_steps=STEPS,
+                             seed=0)
         ref_objects = build(ref)
         train(ref, ref_objects, epochs=args.epochs)
         ref.save_model(args.reference, ref_objects[0])

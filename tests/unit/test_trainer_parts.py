@@ -156,6 +156,9 @@ def test_tensorboard_logger_writes_numeric_columns(tmp_path: Path,
         def add_scalar(self, key: str, value: float, step: int) -> None:
             calls.append((key, value, step))
 
+        def flush(self) -> None:
+            calls.append(("flush",))
+
         def close(self) -> None:
             calls.append(("close",))
 
@@ -166,4 +169,7 @@ def test_tensorboard_logger_writes_numeric_columns(tmp_path: Path,
     logger.open(tmp_path, resume_step=5)
     logger.log({"step": 6, "loss": 1.5, "loss_scale": None, "skipped": 0, "note": "x"})
     logger.close()
-    assert calls == [("open", "tensorboard", 6), ("loss", 1.5, 6), ("skipped", 0, 6), ("close",)]
+    # Flushed at each row: a killed job keeps every row it logged (SummaryWriter's default
+    # waits up to 120 s).
+    assert calls == [("open", "tensorboard", 6), ("loss", 1.5, 6), ("skipped", 0, 6), ("flush",),
+                     ("close",)]

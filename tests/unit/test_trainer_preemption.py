@@ -2,13 +2,17 @@
 moment (mid-window, during an evaluation, during a checkpoint's write, in an epoch's last
 window, before the first step) is saved at the next window boundary, ``fit`` raises
 ``ax.Preempted`` (exit status 143), the signal handler is put back, and the resumed run ends
-bit-identical to an uninterrupted one: parameters, and every logged loss."""
+bit-identical to an uninterrupted one: parameters, and every logged loss. A loop that runs off
+the main thread (Ray Train's worker thread) cannot catch a signal; a request
+(``ax.request_preemption()``, an added check) is saved the same way, on both backends."""
 
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accumix as ax
+from accumix.common.preemption import add_preemption_check, preemption_requested
 from accumix.trainer import Callback, Trainer
 
 # 48 samples, micro-batch 4, K=2: 6 steps per epoch; 9 steps cross into the second epoch.
@@ -109,3 +114,76 @@ def test_sigterm_saves_at_the_next_boundary_and_the_restart_is_bitwise(
     assert isinstance(resumed, list)
     assert all(torch.equal(a, b) for a, b in zip(resumed, params, strict=True))
     assert _rows(tmp_path) == rows  # every step once, the same losses
+
+
+class _RequestAt(Callback):
+    """Asks for a pre-emption once, from another thread (as a cluster engine's notice would),
+    at micro-step 1 of the window after ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.sent = step, False
+
+    def on_train_batch_start(self, trainer: Trainer, batch: Any) -> None:
+        if not self.sent and trainer.step == self.step and trainer.micro_step == 1:
+            self.sent = True
+            asker = threading.Thread(target=ax.request_preemption)
+            asker.start()
+            asker.join()
+
+
+def _in_thread(function: Any, *args: Any) -> Any:
+    """``function(*args)`` in another thread, as Ray Train runs the loop (its result)."""
+    out: list[Any] = []
+    worker = threading.Thread(target=lambda: out.append(function(*args)), name="TrainingThread")
+    worker.start()
+    worker.join()
+    return out[0]
+
+
+def test_a_loop_off_the_main_thread_saves_a_requested_preemption(
+        tmp_path: Path, reference: tuple[list[torch.Tensor], list],
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 39: before, handle_preemption raised "must be called from the main thread" there,
+    # and the Trainer only warned that a SIGTERM would not be saved: the request went unseen.
+    polls: list[int] = []
+    remove = add_preemption_check(lambda: polls.append(1) is not None and False)
+    try:
+        with caplog.at_level(logging.INFO, logger="accumix"):
+            stopped = _in_thread(_fit, tmp_path, _RequestAt(2))
+    finally:
+        remove()
+    assert "will not be saved" not in caplog.text
+    assert "runs off the main thread" in caplog.text  # said once: signals go unwatched there
+    assert isinstance(stopped, ax.Preempted), "the request was not saved"
+    assert (stopped.step, stopped.checkpoint) == (3, tmp_path / "step-3")
+    assert len(polls) == 3  # the added check: polled once per window, at each agreement
+    assert not preemption_requested()  # served
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # never touched off the main thread
+    resumed = _in_thread(_fit, tmp_path)
+    params, rows = reference
+    assert all(torch.equal(a, b) for a, b in zip(resumed, params, strict=True))
+    assert _rows(tmp_path) == rows
+
+
+def test_jax_steps_off_the_main_thread_see_a_requested_preemption() -> None:
+    # Before: JaxSteps installed its handler in __init__, which raised ValueError off the
+    # main thread (Ray's JaxTrainer runs the loop in a thread). The read's agreement (what
+    # stops the Trainer, as for SIGTERM) now sees a request.
+    pytest.importorskip("jax")
+    import accumix.jax as axj
+    from accumix.trainer.jax_steps import JaxSteps
+    from tests import jax_workloads as w
+
+    def agreements() -> tuple[bool, bool, bool]:
+        acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=1)
+        steps = JaxSteps(accelerator=acc, state=acc.setup(w.init_params(), w.optimizer()),
+                         train_windows=None, loss_fn=w.item_loss)
+        before = steps._agree(1, 0.0)[0]
+        ax.request_preemption()
+        asked = steps._agree(1, 0.0)[0]
+        steps._watch.served()  # what the stop does before it saves
+        steps.close()
+        return before, asked, steps._agree(1, 0.0)[0]
+
+    assert _in_thread(agreements) == (False, True, False)
+    assert not preemption_requested()

@@ -14,13 +14,14 @@ import contextlib
 import importlib
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
@@ -30,8 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from accumix.checkpoint import load_limits
+from accumix.checkpoint import load_limits, node_copies
 from accumix.checkpoint.plain_values import numpy_floats, plain
+from accumix.common.locations import STORAGE_OPTIONS, is_url
+from accumix.common.safe_paths import inside
 from accumix.errors import CheckpointError
 from accumix.runtime import fault
 
@@ -43,7 +46,47 @@ def save_sharded(directory: str, models: list[nn.Module], optimizers: list[Optim
     FSDP2), and FSDP2's DTensor shards are written as shards: a load on another world size
     reshards them.
     """
-    write(_state(models, optimizers), directory)
+    write(state_of(models, optimizers), directory)
+
+
+def state_of(models: list[nn.Module], optimizers: list[Optimizer]) -> dict[str, Any]:
+    """What ``save_sharded`` writes: ``model{i}`` and ``optim{i}`` by the plain models' keys
+    (the live tensors, not copies)."""
+    return _state(models, optimizers)
+
+
+def stage(state: dict[str, Any], directory: str, *, nodes: Any, group: Any
+          ) -> Callable[[], None]:
+    """Copies ``state`` to host memory now and writes it to ``directory`` in DCP's background
+    thread (``dcp.async_save``, over ``group``); returns the function that waits for that write
+    and then, on run directories per node, gives every node its ``.metadata`` (call it from a
+    thread of the caller's: it is collective over ``group``).
+
+    Raises:
+        ConfigError: a value a safe load could not rebuild (before anything is copied).
+    """
+    state = plain(state, "the checkpoint's entry ")
+    per_node = nodes is not None and not nodes.shared
+    writer: FileSystemWriter = (_NodeCopiesWriter(directory, nodes) if per_node
+                                else _writer(directory))
+    writer.report_progress = False  # the watchdog follows the loop, not this thread
+    if not _distributed():
+        # DCP's thread says it "assumes" one process even when told so (no_dist=True); a
+        # catch_warnings there would race the loop's thread (it swaps the global filters).
+        warnings.filterwarnings("ignore", message=_SINGLE_SAVE, category=UserWarning)
+    with _quiet_single_process():
+        future = dcp.async_save(
+            state, storage_writer=writer, process_group=group, no_dist=not _distributed(),
+            planner=node_copies.NodeCopiesPlanner(nodes) if per_node else None)
+
+    def finish() -> None:
+        future.result()
+        if per_node:
+            assert isinstance(writer, _NodeCopiesWriter)
+            node_copies.distribute(directory, writer.copies,
+                                   node_copies.PerNode(layout=nodes, group=group))
+
+    return finish
 
 
 def write(state: dict[str, Any], directory: str) -> None:
@@ -57,8 +100,16 @@ def write(state: dict[str, Any], directory: str) -> None:
             (every rank holds the same hyper-parameters: every rank raises).
     """
     state = plain(state, "the checkpoint's entry ")
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=_ProgressWriter(directory), no_dist=not _distributed())
+    record = node_copies.active()
+    if record is None:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=_writer(directory), no_dist=not _distributed())
+        return
+    # Run directories that are not shared: every node gets a whole copy (node_copies.py).
+    writer = _NodeCopiesWriter(directory, record.layout)
+    dcp.save(state, storage_writer=writer, planner=node_copies.NodeCopiesPlanner(record.layout),
+             process_group=record.group)
+    node_copies.distribute(directory, writer.copies, record)
 
 
 def read(state: dict[str, Any], reader: SafeReader) -> None:
@@ -187,6 +238,10 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+_SINGLE_SAVE = (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the "
+                r"intent is to save in a single process")
+
+
 @contextlib.contextmanager
 def _quiet_single_process() -> Iterator[None]:
     # DCP warns that it "assumes" one process even when told so with no_dist=True.
@@ -195,16 +250,50 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-class _ProgressWriter(FileSystemWriter):
-    """DCP's file writer that tells the watchdog when this rank's files are written: a rank
-    whose disk stalls is then named as the one the others wait for (they are all inside the
-    same ``save_state`` phase otherwise)."""
+class _Progress:
+    """Tells the watchdog when this rank's files are written: a rank whose disk stalls is then
+    named as the one the others wait for (they are all inside the same ``save_state`` phase
+    otherwise)."""
+
+    report_progress = True
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        written = super().write_data(plan, planner)
+        written = super().write_data(plan, planner)  # type: ignore[misc]
         written.wait()  # the file system writer writes before it returns; a no-op wait
-        fault.advance("acc.save_state, its files written, waiting for the other ranks' writes")
+        if self.report_progress:
+            fault.advance("acc.save_state, its files written, waiting for the other ranks' "
+                          "writes")
         return written
+
+
+class _ProgressWriter(_Progress, FileSystemWriter):
+    """DCP's file writer, with progress for the watchdog."""
+
+
+class _FsspecProgressWriter(_Progress, FsspecWriter):
+    """DCP's fsspec writer (object stores), with progress for the watchdog. ``sync_files``
+    off: an object is durable once written, and the fallback for a stream without a file
+    descriptor is ``os.sync()`` of the whole machine."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(directory, sync_files=False, **STORAGE_OPTIONS)
+
+
+def _writer(directory: str) -> FileSystemWriter:
+    return _FsspecProgressWriter(directory) if is_url(directory) else _ProgressWriter(directory)
+
+
+class _NodeCopiesWriter(_ProgressWriter):
+    """The coordinator writes its group's ``.metadata`` and keeps the other groups' copies."""
+
+    def __init__(self, directory: str, layout: Any) -> None:
+        super().__init__(directory)
+        self.layout = layout
+        self.copies: dict[int, bytes] | None = None
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        super().finish(metadata, node_copies.own_results_last(results, self.layout.groups[0]))
+        self.copies = node_copies.metadata_copies(metadata, results, self.layout)
 
 
 class _SafePlanner(DefaultLoadPlanner):
@@ -226,7 +315,15 @@ class SafeReader(FileSystemReader):
     """Reads DCP's ``.metadata`` pickle through a whitelist of the classes DCP writes there,
     checks every entry it names before reading any (files inside the checkpoint, sizes within
     the shapes: ``load_limits.check_metadata``) and every entry's zip before ``torch.load``
-    inflates it."""
+    inflates it; a local directory or an fsspec URL (as ``FsspecReader``)."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(directory if not is_url(directory) else ".")
+        if is_url(directory):
+            from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+            self.fs = FileSystem()
+            self.path = self.fs.init_path(directory, **STORAGE_OPTIONS)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -241,14 +338,38 @@ class SafeReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
-        load_limits.check_metadata(self.path, metadata)
+        load_limits.check_metadata(str(self.path), metadata, self._entry_size)
         return metadata
+
+    def _entry_size(self, name: str) -> int | None:
+        """The bytes of this checkpoint's file ``name`` (checked to lie inside it); None when
+        it is not here (a run directory per node holds its own ranks' shards)."""
+        path = inside(self.path, name, ".metadata")
+        if isinstance(path, str):  # an object store's URL
+            return int(self.fs.fs.size(path)) if self.fs.exists(path) else None
+        return path.stat().st_size if path.is_file() else None
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         load_limits.check_torch_zip(
             load_limits.Window(file, sinfo.offset, sinfo.length), sinfo.length,
             f"{sinfo.relative_path} (bytes {sinfo.offset}..{sinfo.offset + sinfo.length})")
         return super()._slice_file(file, sinfo)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        # Before any read (DCP gathers every rank's error here): a run directory per node holds
+        # only its own ranks' shards; a rank of another world may need another node's.
+        needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        missing = sorted(n for n in needed
+                         if not self.fs.exists(self.fs.concat_path(self.path, n)))
+        if missing:
+            shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
+            raise CheckpointError(
+                f"rank {self.rank}: {self.path} lacks {len(missing)} file(s) this rank needs "
+                f"({shown}): they were written on another node's run directory (a run "
+                "directory per node holds its own ranks' shards); resume on the ranks and "
+                "nodes it was saved on, or copy every node's files of this step into one "
+                "directory")
+        return super().prepare_local_plan(plan)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

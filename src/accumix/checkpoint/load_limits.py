@@ -22,13 +22,12 @@ import io
 import math
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from accumix.common.safe_paths import inside
 from accumix.errors import CheckpointError
 
 MiB = 2**20
@@ -70,10 +69,18 @@ def check_torch_zip(file: str | os.PathLike[str] | IO[bytes], limit: int, what: 
             f"that inflate to {sum(e.file_size for e in packed):,}); torch.save never "
             "compresses, so it was not written by torch: refused before inflating it (was the "
             "checkpoint tampered with?)")
-    total = sum(e.file_size for e in entries)
-    if total > limit:
+    check_size(sum(e.file_size for e in entries), limit, what)
+
+
+def check_size(size: int, limit: int, what: str) -> None:
+    """Refuses ``size`` bytes past ``limit`` for the file ``what``.
+
+    Raises:
+        CheckpointError: ``size > limit``.
+    """
+    if size > limit:
         raise CheckpointError(
-            f"{what} holds {total:,} bytes, more than the {limit:,} such a file holds at most; "
+            f"{what} holds {size:,} bytes, more than the {limit:,} such a file holds at most; "
             "refused before reading it (was the checkpoint tampered with?)")
 
 
@@ -110,19 +117,22 @@ class Window(io.RawIOBase):
         return len(data)
 
 
-def check_metadata(directory: str | os.PathLike[str], metadata: Any) -> None:
+def check_metadata(directory: str, metadata: Any,
+                   entry_size: Callable[[str], int | None]) -> None:
     """Checks DCP's ``.metadata`` against the files beside it, before any entry is read.
 
-    Every entry's ``relative_path`` stays in ``directory``, its bytes lie within that file, it
-    names no decoding transform, and a tensor entry holds no more than its chunk's shape and
-    dtype give (a non-tensor entry: 16 MiB); every chunk lies inside its tensor's size.
+    Every entry's file stays in ``directory`` (``entry_size`` checks the name and gives the
+    file's bytes, None for a file not here: another node's shards, refused only when a rank
+    needs it), its bytes lie within that file, it names no decoding transform, and a tensor
+    entry holds no more than its chunk's shape and dtype give (a non-tensor entry: 16 MiB);
+    every chunk lies inside its tensor's size.
 
     Raises:
         CheckpointError: the first entry that does not, named.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    where = os.path.join(os.fspath(directory), ".metadata")
+    where = f"{directory.rstrip('/')}/.metadata"
     entries = metadata.state_dict_metadata
     for fqn, md in entries.items():
         if isinstance(md, TensorStorageMetadata):
@@ -132,23 +142,21 @@ def check_metadata(directory: str | os.PathLike[str], metadata: Any) -> None:
                         for o, s, n in zip(chunk.offsets, chunk.sizes, md.size, strict=True)):
                     raise CheckpointError(f"{where}: a chunk of {fqn} lies outside its size "
                                           f"{tuple(md.size)}; the checkpoint is damaged")
-    sizes: dict[str, int] = {}
+    sizes: dict[str, int | None] = {}
     for index, info in (metadata.storage_data or {}).items():
         name = info.relative_path
         if name not in sizes:
-            file = inside(directory, name, ".metadata")
-            if not file.is_file():
-                raise CheckpointError(f"{where} names {name}, which is missing; the checkpoint "
-                                      "is torn")
-            sizes[name] = file.stat().st_size
+            sizes[name] = entry_size(name)
         if info.transform_descriptors:
             raise CheckpointError(
                 f"{where}: {index.fqn} is stored through {list(info.transform_descriptors)}; "
                 "accumix writes plain entries only: refused before decoding it")
-        if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
+        size = sizes[name]
+        if info.offset < 0 or info.length < 0 or (
+                size is not None and info.offset + info.length > size):
             raise CheckpointError(
                 f"{where}: {index.fqn} lies at bytes {info.offset}..{info.offset + info.length} "
-                f"of {name}, which has {sizes[name]}; the checkpoint is torn or damaged")
+                f"of {name}, which has {size}; the checkpoint is torn or damaged")
         bound = entry_limit(entries.get(index.fqn), index)
         if info.length > bound:
             raise CheckpointError(

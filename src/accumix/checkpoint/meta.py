@@ -132,6 +132,13 @@ def validate(run: RunState, step_dir: Path) -> dict[str, Any]:
                 f"{meta_path} holds a {saved['type']} as LR scheduler {index} but this run set "
                 f"up a {mine}; set up the scheduler the checkpoint was saved with"
             )
-    if not (step_dir / f"rank-{run.rank % meta['world_size']}.pt").is_file():
-        raise CheckpointError(f"{step_dir}/rank-{run.rank % meta['world_size']}.pt is missing")
+    rank_file = step_dir / f"rank-{run.rank % meta['world_size']}.pt"
+    if not rank_file.is_file():
+        here = meta.get("ranks_here")
+        raise CheckpointError(
+            f"{rank_file} is missing" + ("" if here is None else (
+                f": this node's run directory holds the files of ranks {here} of the "
+                f"{meta['world_size']} that saved it (a run directory per node); resume on "
+                "the ranks and nodes it was saved on, or copy every node's files of this "
+                "step into one directory")))
     return meta

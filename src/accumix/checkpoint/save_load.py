@@ -1,6 +1,7 @@
-"""Checkpoints: ``save_state`` / ``load_state``, atomic on disk and exact on resume.
+"""Checkpoints: ``save_state`` / ``load_state``, atomic and exact on resume.
 
-A run directory holds one directory per save and a pointer to the newest::
+A run directory (a local path, or an object store URL: ``accumix.common.locations``) holds one
+directory per save and a pointer to the newest::
 
     run_dir/
       latest              "step-120": written last, atomically replaced
@@ -14,11 +15,12 @@ A run directory holds one directory per save and a pointer to the newest::
         meta.json         written last: versions, world, strategy, precision, the training state
                           (plain JSON) and the size of every other file
 
-A save is written to ``.step-N.tmp``, flushed and renamed; ``latest`` follows, so a crash at any
-moment leaves the previous checkpoint complete and pointed to (``accumix.common.run_dir``: the
-layout the JAX backend shares). A load checks everything it can before it changes anything
-(``meta.json``, every file's size, the loaders' positions, the schedulers' types, the models'
-keys) and never unpickles arbitrary objects: JSON, ``weights_only`` tensors, and
+``saving.py`` writes it (in the loop or behind it; on a shared disk, a disk per node, or an
+object store); a crash at any moment leaves the previous checkpoint complete and pointed to
+(``accumix.common.run_dir``: the layout the JAX backend shares). A load here checks everything
+it can before it changes anything (``meta.json``, every file's size, the loaders' positions, the
+schedulers' types, the models' keys), agrees with the other ranks on the step when their
+directories differ, and never unpickles arbitrary objects: JSON, ``weights_only`` tensors, and
 torch.distributed.checkpoint's metadata through a whitelist. ``checkpoint_meta.py`` writes and
 checks ``meta.json``.
 """
@@ -28,19 +30,17 @@ from __future__ import annotations
 import io
 import logging
 import os
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim import Optimizer
 
-from accumix.checkpoint import load_limits, rng_state
+from accumix.checkpoint import background, load_limits, rng_state, saving
 from accumix.checkpoint import meta as checkpoint_meta
 from accumix.checkpoint.meta import FORMAT as FORMAT  # re-exported: where it was
-from accumix.checkpoint.plain_values import numpy_floats, plain
+from accumix.checkpoint.plain_values import numpy_floats
 from accumix.common import run_dir as layout
 from accumix.common.batch_sizes import resumed_grad_accum_steps
+from accumix.common.locations import AnyPath, RemotePath, location
 from accumix.common.run_dir import alternatives, latest_checkpoint, resolve
 from accumix.errors import AccumixError, CheckpointError, ConfigError
 from accumix.runtime import fault
@@ -53,138 +53,34 @@ __all__ = ["CheckpointError", "latest_checkpoint", "load_state", "resolve", "sav
 
 log = logging.getLogger("accumix")
 
-MODEL_DIR = "model"
-SCHEDULERS = "schedulers.pt"
-
-
-# -- save ------------------------------------------------------------------------------------
-def save_state(run: RunState, run_dir: str | os.PathLike[str], keep_last: int | None = None,
-               *, extra_state: dict[str, Any] | None = None,
-               before_publish: Callable[[Path], None] | None = None) -> Path:
-    """Writes ``run_dir/step-<optimizer_steps>/`` atomically, then points ``latest`` at it.
-
-    Collective. See ``Accelerator.save_state``. ``before_publish(tmp)`` (every rank) writes more
-    files into the temporary step directory: they are listed in its manifest and published with
-    it (the Trainer's ``on_write_checkpoint``).
-    """
-    _check_between_windows(run, "save_state")
-    if extra_state is not None:
-        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
-    window_end.close_window(run, window_over=False)  # the scale the next window uses
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
-                                  or keep_last < 1):
-        raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
-    # Refusals that every rank reaches alike, before anything is written: a checkpoint that
-    # could not be loaded must not replace one that can.
-    for index, loader in enumerate(run.loaders):
-        loader.check_savable(f"DataLoader {index}")
-    schedulers = _scheduler_states(run)
-    run_dir = Path(run_dir)
-    step = run.optimizer_steps
-    final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"
-    strategy, rank = run.strategy, run.rank
-
-    def prepare() -> None:
-        layout.prepare(run_dir, tmp)
-
-    _agree(run, prepare if rank == 0 else None, f"preparing {tmp}")
-    optimizers = [o.optimizer for o in run.optimizers]
-    empty = [not o.state for o in optimizers]
-    with fault.phase(run, "acc.save_state, writing the models and optimizers"):
-        strategy.save_checkpoint(str(tmp / MODEL_DIR), run.models, optimizers)
-    _reset_unstepped(optimizers, empty)
-
-    def write_rank_files() -> None:
-        _write_tensors(tmp / f"rank-{rank}.pt", rng_state.capture(run))
-        if rank == 0 and schedulers:
-            _write_tensors(tmp / SCHEDULERS, schedulers)
-
-    _agree(run, write_rank_files, f"writing {tmp}/rank-*.pt")
-    if before_publish is not None:
-        _agree(run, lambda: before_publish(tmp), f"writing the callbacks' files into {tmp}")
-    meta = checkpoint_meta.metadata(run, empty)
-    if extra_state is not None:
-        meta["extra_state"] = extra_state
-
-    def publish() -> None:
-        layout.publish(run_dir, tmp, final, meta, keep_last)
-
-    _agree(run, publish if rank == 0 else None, f"publishing {final}")
-    return final
-
-
-def _check_between_windows(run: RunState, what: str) -> None:
-    if run.in_micro_step or run.window.micro_step:
-        raise AccumixError(
-            f"acc.{what}() was called inside an accumulation window (micro-step "
-            f"{run.window.micro_step} of {run.grad_accum_steps}), whose gradients a checkpoint "
-            "does not hold; call it after the `with acc.accumulate():` block of a boundary "
-            "(when acc.sync_gradients is True)"
-        )
-
-
-def _agree(run: RunState, fn: Callable[[], None] | None, what: str) -> None:
-    """Runs ``fn`` here, then every rank learns whether any rank failed (no rank left waiting
-    in a collective the failed one never reaches)."""
-    error = None
-    if fn is not None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = f"{type(exc).__name__}: {exc}"
-    with fault.phase(run, f"acc.save_state, {what}"):
-        errors = run.strategy.all_gather_object(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
-
-
-def _reset_unstepped(optimizers: list[Optimizer], empty: list[bool]) -> None:
-    # torch's get/set_state_dict initialise an optimizer that has not stepped with a zero-grad
-    # step (Adam's step count becomes 1); undo it so saving or loading changes nothing.
-    for opt, was_empty in zip(optimizers, empty, strict=True):
-        if was_empty and opt.state:
-            opt.state.clear()
-
-
-def _scheduler_states(run: RunState) -> list[dict[str, Any]]:
-    """Every scheduler's state_dict, checked to load back with ``weights_only=True``."""
-    # base_lrs copied from a numpy learning rate are numpy scalars: stored as Python numbers.
-    states = [plain(s.state_dict(), f"LR scheduler {i}'s state_dict")
-              for i, s in enumerate(run.schedulers)]
-    buffer = io.BytesIO()
-    for index, (sched, state) in enumerate(zip(run.schedulers, states, strict=True)):
-        buffer.seek(0)
-        buffer.truncate()
-        try:
-            torch.save(state, buffer)
-            buffer.seek(0)
-            with numpy_floats():
-                torch.load(buffer, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - pickling errors, refused globals
-            raise CheckpointError(
-                f"LR scheduler {index} ({type(sched.scheduler).__name__}) has a state_dict "
-                f"that cannot be loaded safely ({type(exc).__name__}: {str(exc)[:200]}); keep "
-                "its state to tensors, numbers, strings and containers (a lambda is fine, an "
-                "object holding other objects is not)"
-            ) from exc
-    return states
+MODEL_DIR, SCHEDULERS = saving.MODEL_DIR, saving.SCHEDULERS
+save_state = saving.save_state
 
 
 # -- load ------------------------------------------------------------------------------------
-def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True) -> Path:
-    """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``."""
-    _check_between_windows(run, "load_state")
+def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True) -> AnyPath:
+    """Restores what ``save_state`` wrote; collective. See ``Accelerator.load_state``.
+
+    Args:
+        run: the Accelerator's run state.
+        path: a run directory (its ``latest``) or one step directory; a path or an fsspec URL.
+        strict: a model must have exactly the checkpoint's keys (False: the keys both have).
+
+    Returns:
+        The step directory loaded.
+    """
+    saving.check_between_windows(run, "load_state")
     window_end.close_window(run)  # nothing of the last window applies to the loaded state
-    step_dir: Path | None = None
+    step_dir: AnyPath | None = None
     meta: dict[str, Any] = {}
     rng: dict[str, Any] = {}
     schedulers: list[dict[str, Any]] = []
     steps = run.grad_accum_steps
     error: tuple[bool, str] | None = None
+    background.finish(run, "acc.load_state")
+    agreed = _agreed_step(run, path)
     try:  # everything that can be checked before anything is changed
-        step_dir = resolve(path)
+        step_dir = agreed or resolve(path)
         meta = checkpoint_meta.validate(run, step_dir)
         rng = _read_tensors(step_dir / f"rank-{run.rank % meta['world_size']}.pt")
         schedulers = _saved_scheduler_states(step_dir, meta)
@@ -216,8 +112,8 @@ def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        _reset_unstepped(optimizers, empty_before)  # a refusal leaves no zero-step state
-        cause = _first_failure(exc)
+        saving.reset_unstepped(optimizers, empty_before)  # a refusal leaves no zero-step state
+        cause = saving.first_failure(exc)
         if isinstance(cause, AccumixError):  # our own clear refusal, raised inside DCP
             raise cause from exc
         raise CheckpointError(
@@ -225,7 +121,7 @@ def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True)
             f"(a different model or optimizer?): {type(cause).__name__}: {cause}"
         ) from exc
     state = meta["state"]
-    _reset_unstepped(optimizers, [o["empty"] for o in state["optimizers"]])
+    saving.reset_unstepped(optimizers, [o["empty"] for o in state["optimizers"]])
     for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
         opt.stepped_window = saved["stepped_window"]
     for sched, saved, sched_state in zip(run.schedulers, state["schedulers"], schedulers,
@@ -253,17 +149,43 @@ def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True)
     return step_dir
 
 
-def _first_failure(exc: BaseException) -> BaseException:
-    """The exception inside DCP's per-rank ``CheckpointException`` (its message is a
-    traceback per rank), else ``exc``."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        return first[0] if isinstance(first, tuple) else first
-    return exc
+def _agreed_step(run: RunState, path: str | os.PathLike[str]) -> AnyPath | None:
+    """The step every rank loads from a run directory (collective), or None to resolve
+    ``path`` as it is.
+
+    With a run directory per node, a crash between the nodes' ``latest`` writes leaves them
+    naming different steps (every node published both before the first ``latest`` moved): the
+    newest step named is loaded when every node has it.
+
+    Raises:
+        CheckpointError: the ranks' directories name steps that not every rank has.
+    """
+    path = location(path)
+    try:
+        named = resolve(path).name
+    except CheckpointError:
+        named = None
+    have = layout.step_dirs(path) if path.is_dir() and not (path / layout.META).is_file() else []
+    with fault.phase(run, "acc.load_state, agreeing on the step"):
+        views = run.strategy.all_gather_object((named, have))
+    names = {n for n, _ in views}
+    if len(names) == 1:
+        return None
+    steps = [n for n in names if n is not None and layout.STEP_DIR.match(n)]
+    target = max(steps, key=lambda n: int(n.split("-")[1]), default=None)
+    if target is None or not all(target in h for _, h in views):
+        shown = "; ".join(f"rank {r}: {n or 'none'}" for r, (n, _) in enumerate(views))
+        raise CheckpointError(
+            f"the ranks' run directories {path} name different checkpoints ({shown}) and not "
+            f"every rank has {target or 'any of them'}; load a step directory every rank has "
+            "explicitly")
+    if run.is_main_process:
+        log.info("the ranks' directories %s named %s; loading %s, which every rank has", path,
+                 sorted(n or "none" for n in names), target)
+    return path / target
 
 
-def _saved_scheduler_states(step_dir: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
+def _saved_scheduler_states(step_dir: AnyPath, meta: dict[str, Any]) -> list[dict[str, Any]]:
     saved = meta["state"]["schedulers"]
     if not saved:
         return []
@@ -276,20 +198,21 @@ def _saved_scheduler_states(step_dir: Path, meta: dict[str, Any]) -> list[dict[s
     return states
 
 
-def _write_tensors(path: Path, obj: Any) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_tensors(path: Path) -> Any:
+def _read_tensors(path: AnyPath) -> Any:
     """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes;
     a small file that would inflate, or hold more than such a file does, is refused first."""
-    load_limits.check_torch_zip(path, load_limits.SMALL_FILE_LIMIT, str(path))
+    if isinstance(path, RemotePath):  # its size first: the object is read whole
+        if path.is_file():
+            load_limits.check_size(path.stat().st_size, load_limits.SMALL_FILE_LIMIT, str(path))
+        source: Any = io.BytesIO(path.read_bytes())
+    else:
+        source = path
+    load_limits.check_torch_zip(source, load_limits.SMALL_FILE_LIMIT, str(path))
     try:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
         with numpy_floats():
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - zip errors, EOF, refused globals
         raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); "
                               f"{alternatives(path.parent)}") from exc

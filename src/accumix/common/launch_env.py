@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -166,3 +167,26 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             num_nodes=_nodes(world, local_world),
         )
     return LaunchEnv()
+
+
+def process_rank() -> int:
+    """This process's rank in the job: JAX's process index once jax.distributed runs, else
+    torch.distributed's rank once its process group is up (a plain loop may start it with
+    ``rank=`` and no launcher variables), else the launcher's (torchrun, SLURM, MPI) variables;
+    0 when nothing was launched.
+
+    Never asks JAX for its process count unless jax.distributed was initialised: that call
+    starts JAX's backends (on a GPU, JAX then takes most of its memory) in a torch job that
+    merely imported jax, and would make a later ``jax.distributed.initialize`` fail.
+    """
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        try:
+            if jax.distributed.is_initialized():
+                return int(jax.process_index())
+        except Exception:  # an odd jax: the other sources decide
+            pass
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return detect_launch_env().rank

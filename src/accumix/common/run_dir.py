@@ -22,9 +22,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from accumix.common import remote_publish
+from accumix.common.locations import AnyPath, RemotePath, location
 from accumix.common.safe_paths import inside, step_pointer
 from accumix.common.safe_write import fsync as fsync  # re-exported: where it was
 from accumix.common.safe_write import replace_text
+from accumix.common.shared_dir import remove_leftover_probes
 from accumix.errors import CheckpointError
 
 LATEST = "latest"
@@ -32,19 +35,29 @@ META = "meta.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+def latest_checkpoint(run_dir: str | os.PathLike[str] | RemotePath) -> AnyPath | None:
     """The step directory ``run_dir/latest`` points to, or None when nothing was saved yet.
 
     For auto-resume: ``if latest_checkpoint(run_dir): acc.load_state(run_dir)``. After a crash
     in the middle of replacing a step directory this is the complete copy that survived.
 
+    Args:
+        run_dir: the directory ``save_state`` was given.
+
     Raises:
         CheckpointError: ``latest`` names anything but a ``step-N`` directory of ``run_dir``
             itself (``../other/step-0``, a path, a symbolic link), or is a link itself.
     """
-    pointer = Path(run_dir) / LATEST
+    run_dir = location(run_dir)
+    pointer = run_dir / LATEST
     if not pointer.is_file():
         return None
+    if isinstance(run_dir, RemotePath):  # published in place: no stand-ins, no links
+        name = pointer.read_text().strip()
+        if not STEP_DIR.match(name):
+            raise CheckpointError(f"{pointer} holds {name[:40]!r}, not a step-N name; it was "
+                                  "not written by save_state")
+        return run_dir / name
     target = step_pointer(run_dir, pointer)
     if target.is_dir():
         return target
@@ -71,25 +84,35 @@ def _recover(run_dir: Path) -> None:
         fsync(run_dir)
 
 
-def step_dirs(run_dir: Path) -> list[str]:
-    """The ``step-N`` directories of ``run_dir``, oldest first."""
-    found = [(int(m.group(1)), p.name) for p in run_dir.iterdir()
-             if p.is_dir() and (m := STEP_DIR.match(p.name))]
+def step_dirs(run_dir: AnyPath) -> list[str]:
+    """The published ``step-N`` directories of ``run_dir``, oldest first (on an object store
+    the ones with their ``meta.json``: a save writes its objects in place, that file last)."""
+    if isinstance(run_dir, RemotePath):
+        names = [p.parent.name for p in run_dir.glob(f"step-*/{META}")]
+    else:
+        names = [p.name for p in run_dir.iterdir() if p.is_dir()] if run_dir.is_dir() else []
+    found = [(int(m.group(1)), name) for name in names if (m := STEP_DIR.match(name))]
     return [name for _, name in sorted(found)]
 
 
-def resolve(path: str | os.PathLike[str]) -> Path:
+def resolve(path: str | os.PathLike[str] | RemotePath) -> AnyPath:
     """A step directory from a run directory (following ``latest``) or a step directory.
 
     A crash while a second save of the same step swapped directories can leave ``latest``
     pointing at a name that is briefly absent; the complete copy (``.step-N.tmp`` or
     ``.step-N.old`` with its ``meta.json``) is then used (``latest_checkpoint``).
 
+    Args:
+        path: a run directory or one ``step-N`` directory.
+
+    Returns:
+        The step directory.
+
     Raises:
         CheckpointError: neither ``latest`` nor ``meta.json`` is there, or ``latest`` points
             to a directory that does not exist.
     """
-    path = Path(path)
+    path = location(path)
     if (path / META).is_file():
         return path
     target = latest_checkpoint(path)
@@ -104,7 +127,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     return target
 
 
-def alternatives(step_dir: Path) -> str:
+def alternatives(step_dir: AnyPath) -> str:
     """The advice after a refusal: the other step directories of the run, if any."""
     others = [n for n in step_dirs(step_dir.parent) if n != step_dir.name]
     if not others:
@@ -112,13 +135,16 @@ def alternatives(step_dir: Path) -> str:
     return f"the checkpoint is unusable; load an earlier one: {', '.join(others)}"
 
 
-def write_text(path: Path, text: str) -> None:
-    """Replaces ``path`` atomically with ``text``, durably, never through a link planted at
-    ``path`` or at its temporary name (``accumix.common.safe_write``)."""
+def write_text(path: AnyPath, text: str) -> None:
+    """Replaces ``path`` atomically with ``text``, durably (an object: one whole write), never
+    through a link planted at ``path`` or at its temporary name (``common.safe_write``)."""
+    if isinstance(path, RemotePath):
+        path.write_text(text)
+        return
     replace_text(path, text)
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: AnyPath, obj: Any) -> None:
     try:
         text = json.dumps(obj, indent=1, allow_nan=True)
     except TypeError as exc:
@@ -153,20 +179,26 @@ def _numpy_number(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
-def extra_state(step_dir: Path) -> dict[str, Any]:
-    """What ``save_state(extra_state=...)`` stored in ``step_dir`` ({} if nothing)."""
+def extra_state(step_dir: AnyPath) -> dict[str, Any]:
+    """What ``save_state(extra_state=...)`` stored in ``step_dir`` ({} if nothing).
+
+    Args:
+        step_dir: a ``step-N`` directory (``resolve(run_dir)`` gives the latest).
+    """
     return read_meta(step_dir).get("extra_state") or {}
 
 
-def manifest(directory: Path) -> dict[str, int]:
+def manifest(directory: AnyPath) -> dict[str, int]:
     """Every file under ``directory`` with its size, flushed to disk first."""
+    if isinstance(directory, RemotePath):  # one listing; objects are durable once written
+        return {n: size for n, size in sorted(directory.sizes().items()) if n != META}
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     for file in files:
         fsync(file)
     return {p.relative_to(directory).as_posix(): p.stat().st_size for p in files}
 
 
-def check_manifest(step_dir: Path, files: dict[str, int]) -> None:
+def check_manifest(step_dir: AnyPath, files: dict[str, int]) -> None:
     """Refuses a torn checkpoint: a listed file missing or of another size.
 
     Raises:
@@ -181,7 +213,7 @@ def check_manifest(step_dir: Path, files: dict[str, int]) -> None:
                                   f"{file.stat().st_size} bytes, {size} were written")
 
 
-def read_meta(step_dir: Path) -> dict[str, Any]:
+def read_meta(step_dir: AnyPath) -> dict[str, Any]:
     """``step_dir/meta.json``, or a CheckpointError naming it."""
     meta_path = step_dir / META
     try:
@@ -194,20 +226,41 @@ def read_meta(step_dir: Path) -> dict[str, Any]:
     return meta
 
 
-def prepare(run_dir: Path, tmp: Path) -> None:
+def prepare(run_dir: AnyPath, tmp: AnyPath) -> None:
     """Creates ``run_dir`` and an empty ``tmp``, removing what crashed saves left (after putting
-    the stand-in of a missing ``latest`` target back in place)."""
+    the stand-in of a missing ``latest`` target back in place). On an object store ``tmp`` is
+    the step directory itself (``remote_publish.prepare``)."""
+    if isinstance(run_dir, RemotePath):
+        assert isinstance(tmp, RemotePath)
+        remote_publish.prepare(run_dir, tmp)
+        return
+    assert isinstance(tmp, Path)
     run_dir.mkdir(parents=True, exist_ok=True)
     _recover(run_dir)
     for leftover in run_dir.glob(".step-*.*"):
         shutil.rmtree(leftover, ignore_errors=True)
+    remove_leftover_probes(run_dir)
     tmp.mkdir()
 
 
-def publish(run_dir: Path, tmp: Path, final: Path, meta: dict[str, Any],
+def publish(run_dir: AnyPath, tmp: AnyPath, final: AnyPath, meta: dict[str, Any],
             keep_last: int | None) -> None:
     """Writes ``meta.json`` (with the manifest) into ``tmp``, renames it to ``final``, points
-    ``latest`` at it and prunes to ``keep_last`` step directories."""
+    ``latest`` at it and prunes to ``keep_last`` step directories. On an object store the
+    objects are in ``final`` already: ``meta.json``, then ``latest``."""
+    if isinstance(final, RemotePath):
+        meta["files"] = manifest(final)
+        write_json(final / META, meta)
+        point_latest(run_dir, final, keep_last)
+        return
+    assert isinstance(run_dir, Path) and isinstance(tmp, Path)
+    publish_step(run_dir, tmp, final, meta)
+    point_latest(run_dir, final, keep_last)
+
+
+def publish_step(run_dir: Path, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Writes ``meta.json`` (with the manifest) into ``tmp`` and renames it to ``final``;
+    ``latest`` is left as it was (``point_latest`` follows once every node has published)."""
     meta["files"] = manifest(tmp)
     write_json(tmp / META, meta)
     fsync(tmp)
@@ -221,9 +274,16 @@ def publish(run_dir: Path, tmp: Path, final: Path, meta: dict[str, Any],
     else:
         os.rename(tmp, final)
     fsync(run_dir)
+
+
+def point_latest(run_dir: AnyPath, final: AnyPath, keep_last: int | None) -> None:
+    """Points ``latest`` at the published ``final`` and prunes to ``keep_last`` steps."""
     write_text(run_dir / LATEST, final.name + "\n")
     if keep_last is not None:
         current = int(final.name.split("-")[1])
         older = [n for n in step_dirs(run_dir) if int(n.split("-")[1]) < current]
         for name in older[: max(len(older) - (keep_last - 1), 0)]:
-            shutil.rmtree(run_dir / name)
+            if isinstance(run_dir, RemotePath):
+                remote_publish.remove_step(run_dir / name)
+            else:
+                shutil.rmtree(run_dir / name)

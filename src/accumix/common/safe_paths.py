@@ -13,21 +13,24 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
 from accumix.errors import CheckpointError
 
 STEP_NAME = re.compile(r"^step-(\d+)$")
 
 
-def inside(base: str | os.PathLike[str], name: str, what: str) -> Path:
+def inside(base: Any, name: str, what: str) -> Any:
     """``base / name``, checked to stay inside ``base``.
 
-    ``name`` must be relative, without ``..`` parts, and ``base / name`` must resolve (symbolic
-    links followed) inside ``base`` resolved: a link planted in a checkpoint that points
-    elsewhere is refused like ``../``.
+    ``name`` must be relative, without ``..`` parts; on a local ``base`` it must also resolve
+    (symbolic links followed) inside ``base`` resolved: a link planted in a checkpoint that
+    points elsewhere is refused like ``../``. (An object store's ``base``, which has no links,
+    gets the first check.)
 
     Args:
-        base: the directory the name is relative to (a checkpoint or step directory).
+        base: the directory the name is relative to (a checkpoint or step directory: a local
+            path, or an object store's ``RemotePath`` / URL).
         name: the name as the checkpoint gives it.
         what: where the name was read, for the message (``"meta.json"``, ``".metadata"``).
 
@@ -42,6 +45,10 @@ def inside(base: str | os.PathLike[str], name: str, what: str) -> Path:
             or PureWindowsPath(name).is_absolute()
             or ".." in PurePosixPath(name).parts or ".." in PureWindowsPath(name).parts):
         raise CheckpointError(_outside(base, name, what))
+    if not isinstance(base, (str, os.PathLike)):  # a RemotePath
+        return base / name
+    if "://" in os.fspath(base):  # an object store's URL
+        return f"{os.fspath(base).rstrip('/')}/{name}"
     path = Path(base) / name
     root = os.path.realpath(base)
     resolved = os.path.realpath(path)
@@ -50,7 +57,7 @@ def inside(base: str | os.PathLike[str], name: str, what: str) -> Path:
     return path
 
 
-def _outside(base: str | os.PathLike[str], name: object, what: str, detail: str = "") -> str:
+def _outside(base: Any, name: object, what: str, detail: str = "") -> str:
     return (f"{what} in {base} names the file {name!r}{detail}, outside the checkpoint; a "
             "checkpoint only reads its own files: refused before anything was read (was the "
             "checkpoint tampered with?)")

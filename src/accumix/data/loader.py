@@ -20,6 +20,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from accumix.data.batch_place import BatchPlace, strided_place
 from accumix.data.sample_seeds import EpochSeedTagged, SeededCollate, SeededDataset, draws_nothing
 from accumix.errors import ConfigError
 
@@ -166,6 +167,7 @@ class AcceleratedDataLoader:
         self._seeded_before = False
         self._unresumable = ""  # why a mid-epoch position cannot be continued, if it cannot
         self._yielded: tuple[int, int | None] = (0, None)  # id of the last batch, its rows
+        self.place: BatchPlace | None = None  # the current batch's rows in the epoch's order
         if isinstance(loader.dataset, IterableDataset):
             self.loader = loader  # the user shards an iterable dataset; we cannot
             self._unresumable = f"an IterableDataset ({type(loader.dataset).__name__})"
@@ -271,14 +273,30 @@ class AcceleratedDataLoader:
             elif is_last:  # an IterableDataset's last batch may be short
                 rows = None
             self._yielded = (id(out), rows)
-            yield out
+            self.place = self._place_of(rows)
+            try:
+                yield out
+            except GeneratorExit:  # the loop was left early: no batch of it is current
+                self.place = None
+                raise
             if is_last:
+                self.place = None  # no batch of this loader is current any more
                 # The last batch is used: the hook runs before the user's next iter() draws
                 # the next epoch's seed (a save there would miss that draw on resume).
                 if self._between_batches is not None:
                     self._between_batches()
                 return
             batch = upcoming
+
+    def _place_of(self, rows: int | None) -> BatchPlace | None:
+        """Where this batch's rows sit in the epoch (``acc.gather_for_metrics``); None where
+        accumix did not shard the loader."""
+        sampler, batch_size = self.sampler, self.loader.batch_size
+        if sampler is None or rows is None or batch_size is None:
+            return None
+        samples = sampler.total_size if sampler.drop_last else len(self._dataset)
+        return strided_place(rows=rows, offset=(self.position - 1) * batch_size,
+                             rank=sampler.rank, world_size=sampler.num_replicas, samples=samples)
 
     def rows_of(self, batch: Any) -> int | None:
         """The samples in ``batch`` if it is the batch this loader yielded last (what

@@ -34,7 +34,7 @@ from accumix.common.micro_batch_search import (
     parse_memory_limit,
 )
 from accumix.errors import ConfigError
-from accumix.jax import checkpoint, distributed
+from accumix.jax import checkpoint, checkpoint_save, distributed, process_gather
 from accumix.jax.data import Window, WindowLoader, make_window
 from accumix.jax.loader import checked_loader, window_loader
 from accumix.jax.loss_scale import LossScaleRule
@@ -119,6 +119,7 @@ class Accelerator:
         self._optimizer: optax.GradientTransformation | None = None
         self._shardings: TrainState | None = None
         self._loader: WindowLoader | None = None
+        self._pending_save: Any = None  # a background save in flight (checkpoint_save.py)
         self._micro_batch_choice: MicroBatchChoice | None = None
         distributed.check_same_config((self.policy.name, self._batch_sizes, seed,
                                        None if loss_scale is None else repr(loss_scale),
@@ -127,26 +128,36 @@ class Accelerator:
     # -- read-only state -------------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's index in the job (``jax.process_index()``)."""
         return jax.process_index()
 
     @property
     def world_size(self) -> int:
+        """The number of processes (``jax.process_count()``); devices: ``num_devices``."""
         return jax.process_count()
 
     @property
     def num_devices(self) -> int:
+        """Devices in the mesh, over every process."""
         return self.strategy.num_devices
 
     @property
     def local_devices(self) -> int:
+        """Devices in the mesh that this process drives."""
         return sum(d.process_index == jax.process_index() for d in self.strategy.mesh.devices.flat)
 
     @property
     def is_main_process(self) -> bool:
+        """Whether this is process 0 (the one that prints, logs and writes single files)."""
         return jax.process_index() == 0
 
     @property
     def strategy(self) -> JaxStrategy:
+        """The strategy in force.
+
+        Raises:
+            ConfigError: under ``strategy="auto"`` before ``setup`` chose one.
+        """
         if self._strategy is None:
             raise ConfigError("strategy='auto' is chosen at acc.setup(params, optimizer); "
                               "call setup first")
@@ -198,6 +209,12 @@ class Accelerator:
 
     @property
     def grad_accum_steps(self) -> int:
+        """K, the micro-batches of one jitted optimizer step.
+
+        Raises:
+            ConfigError: ``global_batch_size`` without ``micro_batch_size`` before a loader
+                was set up to take it from.
+        """
         if self._grad_accum_steps is None:
             raise ConfigError("global_batch_size was given without micro_batch_size and no "
                               "DataLoader was set up to take it from; pass micro_batch_size=")
@@ -214,6 +231,17 @@ class Accelerator:
         """``print`` on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs)
+
+    def gather(self, data: Any) -> Any:
+        """Every process's rows (a pytree of numpy or process-local arrays) concatenated along
+        dim 0 in process order, 0-dim leaves stacked, as numpy arrays; the first dimension may
+        differ between processes, nothing else (``ConfigError`` on every process, naming each
+        one's shape). Collective.
+
+        Args:
+            data: this process's rows: an array or a pytree of them.
+        """
+        return process_gather.gather(data)
 
     def _derive_steps(self, micro_batch_size: int | None) -> int | None:
         steps, global_batch, _ = self._batch_sizes
@@ -290,8 +318,29 @@ class Accelerator:
                               headroom: float = DEFAULT_HEADROOM,
                               run_dir: str | os.PathLike[str] | None = None) -> int:
         """``micro_batch_size="auto"``: the choice read from the compiled step (never run); K
-        follows. Collective. With ``run_dir`` the answer is cached there (a restart with the
-        same settings reuses it). Arguments and errors: ``accumix.jax.micro_batch.find``."""
+        follows. Collective.
+
+        Call it after ``state = acc.setup(params, optimizer)``, before building windows or
+        ``acc.setup_loader(loader)``; nothing in ``state`` changes.
+
+        Args:
+            state: the set-up state (its shapes and shardings are read).
+            loss_fn: as for ``train_step`` (the same compiled step is sized).
+            make_batch: ``make_batch(n)``: this process's micro-batch of n rows (numpy
+                arrays), the longest the data can give.
+            clip_norm: as for ``train_step``.
+            headroom: the fraction of the memory limit left free.
+            run_dir: where the answer is cached (``micro_batch_auto.json``); a restart with the
+                same settings reuses it, one on another world size chooses again.
+
+        Returns:
+            The chosen micro-batch size (this process's rows per micro-step).
+
+        Raises:
+            ConfigError: ``micro_batch_size`` is not ``"auto"`` or setup was not called; no
+                memory limit known (the CPU backend reports none: pass ``memory_limit=`` in
+                bytes); not even one row fits on some process.
+        """
         choice = find(self, state, loss_fn, make_batch, clip_norm=clip_norm, headroom=headroom,
                       run_dir=run_dir)
         self._micro_batch_choice = choice  # what the loader is re-batched to
@@ -306,7 +355,12 @@ class Accelerator:
 
     def setup_loader(self, loader: Any) -> WindowLoader:
         """A torch ``DataLoader`` as windows of K batches (``setup``'s third argument, for a
-        loader set up after ``find_micro_batch_size``, re-batched to the chosen size)."""
+        loader set up after ``find_micro_batch_size``, re-batched to the chosen size).
+
+        Args:
+            loader: a torch ``DataLoader``; its dataset, sampler, collate_fn and workers are
+                kept, sharded over the processes.
+        """
         return self._wrap_loader(loader)
 
     def _wrap_loader(self, loader: Any) -> WindowLoader:
@@ -320,8 +374,12 @@ class Accelerator:
 
     # -- the step --------------------------------------------------------------------------
     def window(self, micro_batches: list[Any]) -> Window:
-        """This process's micro-batches (1 to K pytrees of numpy arrays) as one global window;
-        fewer than K is a short window, masked."""
+        """This process's micro-batches as one global window for the step.
+
+        Args:
+            micro_batches: 1 to K pytrees of numpy arrays, each this process's rows of one
+                micro-step; fewer than K is a short window, masked (no recompilation).
+        """
         return make_window(list(micro_batches), grad_accum_steps=self.grad_accum_steps,
                            strategy=self.strategy, local_devices=self.local_devices)
 
@@ -369,14 +427,19 @@ class Accelerator:
         return EvalStep(jitted, self)
 
     def check(self, state: TrainState) -> None:
-        """Raises ``LossScaleError`` if fp16 overflowed at the loss-scale floor (a host read)."""
+        """Raises ``LossScaleError`` if fp16 overflowed at the loss-scale floor (a host read).
+
+        Args:
+            state: the train state the step returned.
+        """
         self.scaler.check(state.loss_scale)
 
     # -- checkpoints and weights -----------------------------------------------------------
     def save_state(self, run_dir: str | os.PathLike[str], state: TrainState,
                    keep_last: int | None = None, *,
                    extra_state: dict[str, Any] | None = None,
-                   before_publish: Callable[[Path], None] | None = None) -> Path:
+                   before_publish: Callable[[Any], None] | None = None,
+                   background: bool = False) -> Any:
         """Writes ``run_dir/step-N`` (N = ``state.step``) atomically, then ``run_dir/latest``.
 
         The state (params, optimizer state, loss scale, step, PRNG key) goes through orbax,
@@ -384,27 +447,65 @@ class Accelerator:
         beside it; ``extra_state`` (JSON-safe, process 0's) goes into ``meta.json``, read back
         with ``accumix.checkpoint.extra_state``; ``before_publish(tmp_step_dir)`` (every process)
         writes more files into the step directory before it is published. Collective: every
-        process calls it, between windows.
+        process calls it, between windows. ``run_dir``: a directory every process sees, or an
+        object store URL (``s3://...``, through a local staging copy: ``checkpoint_save.py``).
+        ``background``: return once orbax has the state on the host; the write and publish go
+        on in a thread (the next save, ``load_state``, ``wait_for_save``, ``end`` wait for it).
+
+        Args:
+            run_dir: the run's directory.
+            state: the train state to save.
+            keep_last: keep this many newest step directories, deleting older ones.
+            extra_state: a JSON-safe dict stored with the checkpoint.
+            before_publish: writes more files into the temporary step directory.
+
+        Returns:
+            The step directory written.
 
         Raises:
             LossScaleError: fp16 overflowed at the floor (nothing is written).
             ConfigError: ``extra_state`` is not JSON (nothing is written).
+            CheckpointError: a run directory per process, or the previous background save
+                failed.
         """
         self.check(state)
-        return checkpoint.save(self, Path(run_dir), state, keep_last=keep_last,
-                               extra_state=extra_state, before_publish=before_publish)
+        return checkpoint_save.save(self, run_dir, state, keep_last=keep_last,
+                                    extra_state=extra_state, before_publish=before_publish,
+                                    background=background)
+
+    def wait_for_save(self) -> Any:
+        """Waits for the background save in flight (collective); its step directory, or None.
+
+        Raises:
+            CheckpointError: it failed on some process (every process raises it).
+        """
+        return checkpoint_save.finish(self, "acc.wait_for_save")
+
+    def end(self) -> None:
+        """Waits for the background save in flight (raising its error); call it at the end."""
+        checkpoint_save.finish(self, "acc.end")
 
     def load_state(self, path: str | os.PathLike[str], state: TrainState) -> TrainState:
-        """The state saved at ``path`` (a run directory's latest, or one step directory),
-        placed like ``state`` (this run's mesh: resharded if the device count differs).
+        """The state saved at ``path`` (a run directory's latest, or one step directory; a
+        path or an object store URL), placed like ``state`` (this run's mesh: resharded if
+        the device count differs).
 
         Raises:
             CheckpointError: a missing, torn or foreign checkpoint; the message names the file.
         """
-        return checkpoint.load(self, Path(path), state)
+        return checkpoint.load(self, path, state)
 
     def save_model(self, directory: str | os.PathLike[str], state: TrainState) -> Path:
         """Writes the params as ``directory/model.safetensors``: float32, keys ``"a.b.c"``.
-        Collective; process 0 writes."""
+
+        Collective; process 0 writes. The torch side's ``init_from`` reads it.
+
+        Args:
+            directory: created if needed.
+            state: the train state whose params are written.
+
+        Returns:
+            The file's path.
+        """
         return checkpoint.save_model(self, Path(directory), state)
 

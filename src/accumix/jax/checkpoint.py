@@ -7,17 +7,20 @@
       meta.json          written last: backend, step, strategy, precision, K, devices,
                          processes, the loader's epoch and position, and every file's size
 
-Loading validates ``meta.json`` and the sizes first (a torn checkpoint is refused naming the
-file, before anything changes), then restores into the placement of the state it is given:
-the same mesh is bitwise, another device or process count is resharded by orbax.
+``checkpoint_save.py`` writes it (a shared disk or an object store; in the loop or behind
+it). Loading validates ``meta.json`` and the sizes first (a torn checkpoint is refused naming
+the file, before anything changes), then restores into the placement of the state it is given:
+the same mesh is bitwise, another device or process count is resharded by orbax. From an object
+store, process 0 first downloads the state into a staging directory every process sees.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import random
+import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +29,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from accumix.common import run_dir as layout
+from accumix.common.locations import RemotePath, location
 from accumix.common.safe_write import replace_with
-from accumix.errors import CheckpointError, ConfigError
+from accumix.errors import CheckpointError
 from accumix.jax.state import TrainState
 
 if TYPE_CHECKING:
@@ -37,65 +41,39 @@ FORMAT = 1
 STATE_DIR = "state"
 
 
-def _sync(name: str) -> None:
+def sync(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
 
 
-def _checkpointer() -> Any:
+def checkpointer() -> Any:
     import orbax.checkpoint as ocp
 
     return ocp.StandardCheckpointer()
 
 
-def save(acc: Accelerator, run_dir: Path, state: TrainState, *, keep_last: int | None,
-         extra_state: dict[str, Any] | None = None,
-         before_publish: Callable[[Path], None] | None = None) -> Path:
-    """Writes ``run_dir/step-<state.step>`` atomically, then ``latest``. Collective.
-    ``before_publish(tmp)`` (every process) writes more files into the temporary step directory,
-    published with it."""
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
-                                  or keep_last < 1):
-        raise ConfigError(f"keep_last={keep_last!r} is invalid; use an integer >= 1 or None")
-    if extra_state is not None:
-        extra_state = layout.json_state(extra_state, "save_state(extra_state=...)")
-    run_dir = run_dir.absolute()
-    step = int(jax.device_get(state.step))
-    final, tmp = run_dir / f"step-{step}", run_dir / f".step-{step}.tmp"
-    if acc.is_main_process:
-        layout.prepare(run_dir, tmp)
-    _sync(f"accumix-save-prepare-{step}")
-    checkpointer = _checkpointer()
-    checkpointer.save(tmp / STATE_DIR, state)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
-    layout.write_json(tmp / f"process-{jax.process_index()}.json", _host_rng_state())
-    if before_publish is not None:
-        before_publish(tmp)
-    _sync(f"accumix-save-written-{step}")
-    if acc.is_main_process:
-        loader = acc.loader
-        meta = {
-            "format": FORMAT,
-            "backend": "jax",
-            "step": step,
-            "strategy": acc.strategy.name,
-            "precision": acc.policy.name,
-            "grad_accum_steps": acc.grad_accum_steps,
-            "num_devices": acc.num_devices,
-            "num_processes": jax.process_count(),
-            "loader": loader.state_dict() if loader is not None else None,
-        }
-        if extra_state is not None:
-            meta["extra_state"] = extra_state
-        layout.publish(run_dir, tmp, final, meta, keep_last)
-    _sync(f"accumix-save-published-{step}")
-    return final
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every process's ``obj`` (picklable), in process order; a few bytes here."""
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    everyone = np.asarray(multihost_utils.process_allgather(padded))
+    # The peers are this job's own processes (as torch's all_gather_object unpickles them).
+    return [pickle.loads(everyone[i, :int(n)].tobytes())  # noqa: S301
+            for i, n in enumerate(sizes.reshape(-1))]
 
 
-def load(acc: Accelerator, path: Path, state: TrainState) -> TrainState:
-    """The state at ``path`` placed like ``state``; restores host RNGs and the loader too."""
-    step_dir = layout.resolve(path.absolute())
+def load(acc: Accelerator, path: Any, state: TrainState) -> TrainState:
+    """The state at ``path`` (a local path or an object store URL) placed like ``state``;
+    restores host RNGs and the loader too."""
+    from accumix.jax import checkpoint_save
+
+    checkpoint_save.finish(acc, "acc.load_state")
+    where = location(path)
+    step_dir = layout.resolve(where if isinstance(where, RemotePath) else where.absolute())
     meta = layout.read_meta(step_dir)
     if meta.get("backend") != "jax" or "files" not in meta:
         raise CheckpointError(
@@ -108,18 +86,30 @@ def load(acc: Accelerator, path: Path, state: TrainState) -> TrainState:
             f"{acc.policy.name!r}; use the same precision to resume")
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    checkpointer = _checkpointer()
+    staging = None
+    source = step_dir / STATE_DIR
+    if isinstance(step_dir, RemotePath):  # orbax reads a local copy (checkpoint_save.py)
+        staging = checkpoint_save.staging_dir(acc, "load_state")
+        if acc.is_main_process:
+            checkpoint_save.download(step_dir / STATE_DIR, staging / STATE_DIR)
+        sync(f"accumix-load-downloaded-{meta['step']}")
+        source = staging / STATE_DIR
+    reader = checkpointer()
     try:
-        restored = checkpointer.restore(step_dir / STATE_DIR, target)
+        restored = reader.restore(source, target)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"{step_dir / STATE_DIR} does not fit this run's state (another model or "
             f"optimizer?): {str(exc).splitlines()[0]}") from exc
     finally:
-        checkpointer.close()
+        reader.close()
+        if staging is not None:
+            sync(f"accumix-load-restored-{meta['step']}")
+            if acc.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)
     host = step_dir / f"process-{jax.process_index()}.json"
     if host.is_file() and meta["num_processes"] == jax.process_count():
-        _set_host_rng_state(json.loads(host.read_text()))
+        _sethost_rng_state(json.loads(host.read_text()))
     if acc.loader is not None and meta.get("loader") is not None:
         acc.loader.load_state_dict(meta["loader"])
     return restored
@@ -143,7 +133,7 @@ def save_model(acc: Accelerator, directory: Path, state: TrainState) -> Path:
     if acc.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
         replace_with(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "np"}))
-    _sync("accumix-save-model")
+    sync("accumix-save-model")
     return path
 
 
@@ -168,7 +158,7 @@ def _dotted(key_path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def _host_rng_state() -> dict[str, Any]:
+def host_rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
@@ -180,7 +170,7 @@ def _host_rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_host_rng_state(state: dict[str, Any]) -> None:
+def _sethost_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]

@@ -29,9 +29,14 @@ log = logging.getLogger("accumix")
 @jax.tree_util.register_dataclass
 @dataclass
 class Window:
-    """One optimizer step's data: ``batch`` leaves ``[K, rows, ...]``, ``mask`` ``[K]`` (this
-    process's real micro-steps) and ``device_mask`` ``[K, devices]`` (every device's, which the
-    step reads; None: ``mask`` holds for every device)."""
+    """One optimizer step's data, as ``acc.window(micro_batches)`` or a set-up loader makes it.
+
+    Attributes:
+        batch: the micro-batches stacked: each leaf ``[K, rows, ...]``.
+        mask: ``[K]``, this process's real micro-steps (a short window's tail is padding).
+        device_mask: ``[K, devices]``, every device's real micro-steps, which the step reads;
+            None: ``mask`` holds for every device.
+    """
 
     batch: Any
     mask: jax.Array

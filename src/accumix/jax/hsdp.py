@@ -82,6 +82,7 @@ class HSDPStrategy(FSDPStrategy):
 
     @property
     def replicas(self) -> int:
+        """Rows of the mesh's ``"replica"`` axis: the nodes (or simulated nodes)."""
         return int(self.mesh.shape[REPLICA])
 
     @property

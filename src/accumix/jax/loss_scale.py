@@ -34,7 +34,15 @@ from accumix.precision.loss_scale import DynamicLossScale
 @jax.tree_util.register_dataclass
 @dataclass
 class LossScaleState:
-    """The scaler's moving parts: device scalars, replicated on the mesh."""
+    """The scaler's moving parts: device scalars, replicated on the mesh.
+
+    Attributes:
+        scale: the loss scale the next window multiplies its loss by.
+        clean_steps: windows since the last overflow (the scale grows every
+            ``growth_interval`` of them).
+        budget: overflows left to absorb before the scale backs off (``hysteresis``).
+        floor_hit: an overflow came at ``min_scale``; ``acc.check`` raises ``LossScaleError``.
+    """
 
     scale: jax.Array
     clean_steps: jax.Array

@@ -38,7 +38,16 @@ log = logging.getLogger("accumix")
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class JaxPolicy:
-    """The dtypes of one precision word (the torch ``Policy``'s fields, as jnp dtypes)."""
+    """The dtypes of one precision word (the torch ``Policy``'s fields, as jnp dtypes).
+
+    Attributes:
+        name: the precision word (``"bf16-mixed"``, ...).
+        param_dtype: the dtype the master params (and optimizer state) are held in.
+        compute_dtype: the dtype ``loss_fn`` sees the params in.
+        output_dtype: the dtype of the loss and metrics.
+        reduce_dtype: what gradients travel in between devices (float32 unless
+            ``Accelerator(reduce_dtype=)`` says otherwise).
+    """
 
     name: str
     param_dtype: Any = jnp.float32
@@ -50,6 +59,7 @@ class JaxPolicy:
 
     @property
     def needs_loss_scaling(self) -> bool:
+        """Whether float16 is in play, so the step scales the loss."""
         return jnp.float16 in (self.compute_dtype, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
@@ -57,6 +67,7 @@ class JaxPolicy:
         return _cast_floating(tree, self.compute_dtype)
 
     def cast_to_param(self, tree: Any) -> Any:
+        """``tree``'s floating leaves in the parameter dtype."""
         return _cast_floating(tree, self.param_dtype)
 
 

@@ -30,4 +30,5 @@ class TrainState:
     rng: jax.Array
 
     def replace(self, **changes: Any) -> TrainState:
+        """A copy with ``changes`` applied (the state is immutable)."""
         return TrainState(**{**self.__dict__, **changes})

@@ -17,7 +17,16 @@ if TYPE_CHECKING:
 
 
 class TrainStep:
-    """The jitted step, plus the every-N-steps fp16 floor check (the step never syncs)."""
+    """The jitted step, plus the every-N-steps fp16 floor check (the step never syncs).
+
+    ``acc.train_step(loss_fn)`` makes it; call it as ``state, metrics = step(state, window)``
+    (a ``Window``, or a list of K micro-batches that ``acc.window`` turns into one).
+
+    Args:
+        jitted: the compiled ``(state, window) -> (state, metrics)`` function.
+        acc: the ``Accelerator`` that made it (for ``acc.window`` and ``acc.check``).
+        check_every: under fp16, read the loss-scale floor flag every this many calls.
+    """
 
     def __init__(self, jitted: Any, acc: Accelerator, check_every: int) -> None:
         self.jitted, self._acc, self._check_every, self._calls = jitted, acc, check_every, 0
@@ -33,7 +42,12 @@ class TrainStep:
         return state, metrics
 
     def lower(self, state: TrainState, window: Window) -> Any:
-        """``jax.jit(...).lower`` of the step (for HLO inspection)."""
+        """``jax.jit(...).lower`` of the step (for HLO inspection).
+
+        Args:
+            state: a train state (its shapes and shardings are used).
+            window: a window of the shapes the step will see.
+        """
         return self.jitted.lower(state, window)
 
 

@@ -58,6 +58,9 @@ class JaxStrategy:
     the constructor: a strategy object made before the ``Accelerator`` works under ``accumix
     launch``. The rows of a window split over ``data_axes``; sharded leaves split, gather and
     reduce-scatter over ``shard_axis`` (one axis, ``"data"``, for every strategy here).
+
+    Args:
+        devices: the mesh's devices (default: every device of every process).
     """
 
     name = "ddp"
@@ -91,9 +94,11 @@ class JaxStrategy:
 
     @property
     def num_devices(self) -> int:
+        """Devices in the mesh."""
         return int(self.mesh.size)
 
     def sharding(self, spec: P) -> NamedSharding:
+        """``spec`` on this strategy's mesh."""
         return NamedSharding(self.mesh, spec)
 
     def rows_spec(self, leading: int = 0) -> P:
@@ -104,10 +109,13 @@ class JaxStrategy:
 
     # -- placement -------------------------------------------------------------------------
     def param_spec(self, leaf: Any) -> P:
+        """How a parameter leaf is placed: sharded on its largest dimension the device count
+        divides where the strategy shards parameters, else replicated."""
         shape = tuple(getattr(leaf, "shape", ()))
         return self._sharded(shape) if self.shards_params else P()
 
     def opt_spec(self, leaf: Any) -> P:
+        """How an optimizer-state leaf is placed (sharded under zero1, fsdp and hsdp)."""
         shape = tuple(getattr(leaf, "shape", ()))
         return self._sharded(shape) if self.shards_optimizer else P()
 
@@ -211,7 +219,11 @@ def _axis_dim(spec: P, axis: str) -> int | None:
 
 
 class SingleStrategy(JaxStrategy):
-    """One device: the mesh has one device, the reductions are no-ops."""
+    """One device: the mesh has one device, the reductions are no-ops.
+
+    Args:
+        devices: the device to use, as a one-item list (default: this process's first).
+    """
 
     name = "single"
 
@@ -223,13 +235,21 @@ class SingleStrategy(JaxStrategy):
 
 
 class DDPStrategy(JaxStrategy):
-    """Params and optimizer state replicated; batch rows sharded; one gradient psum a window."""
+    """Params and optimizer state replicated; batch rows sharded; one gradient psum a window.
+
+    Args:
+        devices: the mesh's devices (default: every device of every process).
+    """
 
     name = "ddp"
 
 
 class ZeRO1Strategy(JaxStrategy):
-    """ddp with the optimizer state sharded (ZeRO stage 1)."""
+    """ddp with the optimizer state sharded (ZeRO stage 1).
+
+    Args:
+        devices: the mesh's devices (default: every device of every process).
+    """
 
     name = "zero1"
     shards_optimizer = True

@@ -71,7 +71,8 @@ class DynamicLossScale:
         self.budget = self.hysteresis
 
     def update(self, found_inf: bool) -> None:
-        """Moves the scale after one optimizer boundary, as the class docstring states.
+        """Moves the scale after one optimizer boundary (``found_inf``: the gradients, agreed
+        across ranks, held an inf or NaN), as the class docstring states.
 
         Raises:
             LossScaleError: an overflow while the scale is already at ``min_scale``.
@@ -95,9 +96,12 @@ class DynamicLossScale:
                 self.budget = self.hysteresis
 
     def state_dict(self) -> dict[str, Any]:
+        """The scale, the clean steps since the last overflow and the hysteresis budget: what
+        a checkpoint stores to resume the same scale trace."""
         return {"scale": self.scale, "clean_steps": self.clean_steps, "budget": self.budget}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state``, what ``state_dict`` returned."""
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.budget = int(state["budget"])
@@ -113,13 +117,14 @@ class NoLossScale:
     scale = 1.0
 
     def update(self, found_inf: bool) -> None:
-        pass
+        """Nothing to move: the scale stays 1."""
 
     def state_dict(self) -> dict[str, Any]:
+        """Empty: nothing to save."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Nothing to restore."""
 
 
 LossScaler = DynamicLossScale | NoLossScale

@@ -95,7 +95,7 @@ def run(config: TrainConfig) -> int:
         val_loader=DataLoader(val, batch_size=micro, collate_fn=pad_collate),
         accelerator=acc, step_fn=gpt_step, max_steps=config.max_steps,
         max_epochs=config.max_epochs, eval_every=config.eval_every,
-        checkpoint_every=config.checkpoint_every, run_dir=config.run_dir, resume=config.resume,
+        checkpoint_every=config.checkpoint_every, **config.trainer_dirs(), resume=config.resume,
         grad_clip=config.grad_clip, progress_bar=config.progress_bar,
         callbacks=[ThroughputMonitor(flops_per_item=model.flops_per_token()),
                    SaveModelAtEnd(lambda: acc.save_model(config.run_dir))],

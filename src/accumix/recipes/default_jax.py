@@ -200,7 +200,7 @@ def run(config: TrainConfig) -> int:
     trainer = Trainer(
         steps=steps, max_steps=config.max_steps, max_epochs=config.max_epochs,
         eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
-        run_dir=config.run_dir, resume=config.resume, grad_clip=config.grad_clip,
+        **config.trainer_dirs(), resume=config.resume, grad_clip=config.grad_clip,
         progress_bar=config.progress_bar,
         callbacks=[ThroughputMonitor(flops_per_item=gpt_jax.flops_per_token(model_cfg)),
                    SaveModelAtEnd(lambda: save_weights(acc, steps.state, config.run_dir,

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from accumix.common.locations import is_url
 from accumix.errors import ConfigError
 from accumix.precision.reduce_dtype import check_fp16_reduction, parse_reduce_dtype
 from accumix.precision.words import PRECISION_WORDS
@@ -130,7 +131,8 @@ class TrainConfig:
         backend: ``torch`` (accumix) or ``jax`` (accumix.jax): the same model, data and outputs.
         init_from: a ``model.safetensors`` to start from (written by either backend's run:
             ``<run_dir>/model.safetensors``), instead of a fresh initialisation.
-        output_dir: the run directory (metrics, checkpoints, plot).
+        output_dir: the run directory (metrics, checkpoints, plot); an object store URL
+            (``s3://bucket/job``) holds the checkpoints, and the rest goes to ``runs/<name>``.
         nproc: processes to launch on this machine: ``auto`` (GPUs, else CPU cores) or N.
         seed: seeds every rank identically (model init, shuffling).
         strategy: ``auto``, ``single``, ``ddp``, ``zero1``, ``fsdp``, ``hsdp`` (several
@@ -150,6 +152,8 @@ class TrainConfig:
         max_epochs: epochs to train (None: ``max_steps`` decides).
         eval_every: evaluate every N steps (and at the end); None: only at the end.
         checkpoint_every: save every N steps (and at the end); None: never.
+        checkpoint_background: write the periodic saves behind the training loop (the loop
+            waits only while the state is copied to host memory).
         resume: continue from the run directory's latest checkpoint when there is one.
         grad_clip: the max gradient norm (None: no clipping).
         progress_bar: show the progress bar.
@@ -182,6 +186,7 @@ class TrainConfig:
     max_epochs: int | None = None
     eval_every: int | None = 40
     checkpoint_every: int | None = 60
+    checkpoint_background: bool = False
     resume: bool = True
     grad_clip: float | None = 1.0
     progress_bar: bool = True
@@ -241,4 +246,16 @@ class TrainConfig:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+        """The local run directory (metrics, plot, model; the checkpoints unless
+        ``output_dir`` is an object store URL)."""
+        if self.output_dir and not is_url(self.output_dir):
+            return Path(self.output_dir)
+        return Path("runs") / self.name
+
+    def trainer_dirs(self) -> dict[str, Any]:
+        """The Trainer's ``run_dir`` (where checkpoints go), ``local_dir`` and
+        ``checkpoint_background``."""
+        remote = bool(self.output_dir) and is_url(self.output_dir or "")
+        return {"run_dir": self.output_dir if remote else self.run_dir,
+                "local_dir": self.run_dir if remote else None,
+                "checkpoint_background": self.checkpoint_background}

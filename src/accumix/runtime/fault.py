@@ -11,8 +11,9 @@
   rank that dies of an uncaught exception publishes it, and the other ranks' watchdogs stop
   their processes within a heartbeat: no rank is left hanging on a dead job, with or without
   torchrun's agent.
-* **Pre-emption.** ``acc.handle_preemption(run_dir)`` turns SIGTERM into a checkpoint at the
-  next window boundary (the ranks agree with one scalar all-reduce per window), then exit 0.
+* **Pre-emption.** ``acc.handle_preemption(run_dir)`` turns SIGTERM (or a request from other
+  code: ``accumix.common.preemption``) into a checkpoint at the next window boundary (the ranks
+  agree with one scalar all-reduce per window), then exit 0.
 * **Orphans.** A worker that torchrun's agent started (``accumix launch``, ``accumix train``)
   exits within a second of the agent's death: a SIGKILLed launcher cannot forward anything,
   and its workers would otherwise train on beside the next job in the same run directory.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import signal
 import sys
 import threading
 import time
@@ -32,11 +32,13 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from accumix.common.locations import location
+from accumix.common.preemption import PreemptionWatch
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -307,9 +309,6 @@ class PreemptionHandler:
     def __init__(self, run: RunState, run_dir: str | os.PathLike[str], *,
                  save: Callable[[Path, int | None], Path], signals: tuple[int, ...],
                  keep_last: int | None, exit: bool) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise ConfigError("handle_preemption must be called from the main thread "
-                              "(Python delivers signals there)")
         for index, loader in enumerate(run.loaders):
             if loader._unresumable:  # a signal mid-epoch would find no save it could make
                 raise ConfigError(
@@ -318,14 +317,13 @@ class PreemptionHandler:
                     "DistributedSampler, or save with acc.save_state at epoch ends instead"
                 )
         self._run, self._save_state = run, save
-        self.run_dir, self.keep_last, self.exit = Path(run_dir), keep_last, exit
+        # A path, or an object store URL (accumix.common.locations): kept as given.
+        self.run_dir, self.keep_last, self.exit = location(run_dir), keep_last, exit
         self.triggered, self.checkpoint = False, None
-        self._requested = False
         self._checked_window = run.window.index
-        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._requested = True  # only a flag: the save needs every rank at the same boundary
+        # Off the main thread (Ray Train's worker thread) no handler can be installed: the
+        # watch then serves request_preemption() and the added checks only.
+        self._watch = PreemptionWatch(signals, rank=run.rank)
 
     def at_batch(self) -> None:
         """Between batches: once per finished window, the ranks agree whether to stop."""
@@ -339,7 +337,7 @@ class PreemptionHandler:
     def at_end(self) -> bool:
         """At ``acc.end()``: a signal that came in the last window or after the loop is
         honoured now (saved, when between windows). Returns whether to exit 0 after ``end``."""
-        if self.triggered or not self._previous:
+        if self.triggered or not self._watch.active:
             return False
         if not self._agreed("the pre-emption check of acc.end()"):
             return False
@@ -351,13 +349,14 @@ class PreemptionHandler:
         return self._save() and self.exit
 
     def _agreed(self, label: str) -> bool:
-        flag = torch.tensor([1.0 if self._requested else 0.0], device=self._run.device)
+        flag = torch.tensor([1.0 if self._watch.requested() else 0.0], device=self._run.device)
         with phase(self._run, label):
             return bool(self._run.strategy.all_reduce(flag, "max").item())
 
     def _save(self) -> bool:
         self.checkpoint = self._save_state(self.run_dir, self.keep_last)
         self.triggered = True
+        self._watch.served()
         self.close()
         # one write: the ranks share the terminal, and print's separate newline interleaves
         sys.stderr.write(f"accumix: rank {self._run.rank} pre-empted; saved {self.checkpoint}\n")
@@ -367,8 +366,6 @@ class PreemptionHandler:
     def close(self) -> None:
         """Restores the signal handlers that were there before; the Accelerator stops asking
         this handler at boundaries (no more agreement collectives)."""
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous = {}
+        self._watch.close()
         if self._run.preemption is self:
             self._run.preemption = None

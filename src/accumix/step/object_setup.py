@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from accumix.common.micro_batch_search import is_auto
+from accumix.data.eval_loader import EvalLoader
 from accumix.data.loader import AcceleratedDataLoader, with_batch_size
 from accumix.errors import ConfigError
 from accumix.step import accum_steps, micro_step
@@ -79,7 +80,7 @@ def setup(run: RunState, objects: tuple[Any, ...]) -> Any:
     for obj in objects:
         if is_scheduler(obj):
             result[id(obj)] = _wrap_scheduler(run, obj)
-    run.set_up.update(id(o) for o in objects)
+    run.set_up.update((id(o), o) for o in objects)
     out = tuple(result[id(o)] for o in objects)
     return out[0] if len(out) == 1 else out
 
@@ -150,6 +151,29 @@ def _wrap_loader(run: RunState, loader: DataLoader) -> AcceleratedDataLoader:
         between_batches=functools.partial(micro_step.between_batches, run),
     )
     run.loaders.append(wrapped)
+    return wrapped
+
+
+def setup_eval_loader(run: RunState, loader: DataLoader) -> EvalLoader:
+    """``acc.setup_eval_loader(loader)``: this rank's block of the loader (``data.eval_loader``).
+
+    Raises:
+        ConfigError: not a DataLoader, set up already, or a loader that cannot be split.
+    """
+    if not isinstance(loader, DataLoader):
+        raise ConfigError(f"acc.setup_eval_loader takes a torch DataLoader, not a "
+                          f"{type(loader).__name__}")
+    if id(loader) in run.set_up:
+        raise ConfigError("this DataLoader was already set up; set it up once")
+
+    def forward_collectives() -> str | None:
+        strategy = run.strategy  # read when an epoch starts: "auto" chooses at the model
+        return strategy.name if strategy.forward_collectives else None
+
+    wrapped = EvalLoader(loader, rank=run.launch.rank, world_size=run.strategy.dp_world_size,
+                         device=run.device, forward_collectives=forward_collectives)
+    run.eval_loaders.append(wrapped)
+    run.set_up[id(loader)] = loader
     return wrapped
 
 

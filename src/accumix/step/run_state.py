@@ -16,13 +16,14 @@ who changes it:
 * **the step**: whether a micro-step is open and for which models, the window's record
   across optimizers, the optimizer steps taken and whether the last was skipped;
 * **faults**: the pre-emption handler, the watchdog, and the collectives accumix entered
-  between windows (the watchdog's progress and the label of the one in flight).
+  between windows (the watchdog's progress and the label of the one in flight);
+* **background saves**: the one in flight and the process group its thread uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from accumix.step.boundary import StepRecord
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
     from accumix.common.launch_env import LaunchEnv
     from accumix.common.micro_batch_search import MicroBatchChoice
+    from accumix.data.eval_loader import EvalLoader
     from accumix.data.loader import AcceleratedDataLoader
     from accumix.precision import Policy
     from accumix.runtime.fault import PreemptionHandler, Watchdog
@@ -67,7 +69,10 @@ class RunState:
     optimizers: list[AcceleratedOptimizer] = field(default_factory=list)
     schedulers: list[AcceleratedScheduler] = field(default_factory=list)
     loaders: list[AcceleratedDataLoader] = field(default_factory=list)
-    set_up: set[int] = field(default_factory=set)  # ids of the objects handed to setup
+    eval_loaders: list[EvalLoader] = field(default_factory=list)  # not checkpointed
+    # The objects handed to setup, by id; held, so that no new object can take a freed one's id
+    # (``train = acc.setup(train)`` frees the user's DataLoader; the next model may reuse it).
+    set_up: dict[int, object] = field(default_factory=dict)
     # the step
     in_micro_step: bool = False
     micro_step_models: tuple[nn.Module, ...] = ()  # accumulate()'s models; (): every model
@@ -79,6 +84,10 @@ class RunState:
     watchdog: Watchdog | None = None
     sync_points: int = 0  # accumix's collectives entered between windows (watchdog progress)
     sync_label: str = ""  # the one in flight, for the diagnosis of a hang
+    # checkpoints written behind the loop (checkpoint/background.py)
+    pending_save: Any = None  # the save in flight, at most one
+    checkpoint_group: Any = None  # the checkpoint thread's own process group
+    timeout: float | None = None  # seconds a collective may wait (the Accelerator's)
 
     @property
     def rank(self) -> int:

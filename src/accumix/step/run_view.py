@@ -36,6 +36,7 @@ class RunView:
 
     @property
     def device(self) -> torch.device:
+        """The device this process trains on (``cuda:<local_rank>``, else the CPU)."""
         return self._run.device
 
     @property
@@ -56,22 +57,27 @@ class RunView:
 
     @property
     def seed(self) -> int | None:
+        """The seed given to the ``Accelerator`` (None: not seeded)."""
         return self._run.seed
 
     @property
     def rank(self) -> int:
+        """This process's rank among all processes of the job (0 to ``world_size - 1``)."""
         return self._run.launch.rank
 
     @property
     def world_size(self) -> int:
+        """The number of processes in the job, over every node."""
         return self._run.launch.world_size
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node (its GPU index)."""
         return self._run.launch.local_rank
 
     @property
     def is_main_process(self) -> bool:
+        """Whether this is rank 0 (the one that prints, logs and writes single files)."""
         return self._run.launch.rank == 0
 
     @property
@@ -86,15 +92,17 @@ class RunView:
 
     @property
     def grad_accum_steps(self) -> int:
+        """K, the micro-steps per optimizer step. Assigning it changes K for the windows that
+        follow (a ``GradientAccumulationScheduler`` does); ``load_state`` restores it.
+
+        Raises:
+            ConfigError: on assignment, a value that is not an integer >= 1, or a window is
+                half done.
+        """
         return self._run.window.grad_accum_steps
 
     @grad_accum_steps.setter
     def grad_accum_steps(self, steps: int) -> None:
-        """Changes K for the windows that follow (e.g. a ``GradientAccumulationScheduler``).
-
-        Raises:
-            ConfigError: ``steps`` is not an integer >= 1, or a window is half done.
-        """
         accum_steps.assign(self._run, steps)
 
     @property

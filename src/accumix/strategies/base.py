@@ -44,6 +44,9 @@ class Strategy:
     # dtype. One that does not reduces them as they are (in the parameters' dtype): another
     # reduce dtype is refused at ``connect``, never silently ignored.
     honours_reduce_dtype = False
+    # Whether the model's forward runs collectives (parameters gathered where they are used):
+    # then every rank must run as many forwards, in an evaluation loop too.
+    forward_collectives = False
 
     def __init__(self) -> None:
         self.launch = LaunchEnv()
@@ -101,10 +104,12 @@ class Strategy:
     # -- world -------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
+        """The number of processes in the job."""
         return self.launch.world_size
 
     @property
     def rank(self) -> int:
+        """This process's rank in the job."""
         return self.launch.rank
 
     @property
@@ -282,6 +287,8 @@ class Strategy:
         return True
 
     def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
+        """Clears ``optimizer``'s gradients at the window's end (DeepSpeed's engine clears
+        its own inside its step)."""
         optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- state ---------------------------------------------------------------------------------
@@ -298,16 +305,23 @@ class Strategy:
         the backend shards, so it reshards on load). Backends whose state it cannot read
         (ZeroRedundancyOptimizer, DeepSpeed's engine) override both checkpoint methods.
         """
-        from accumix.checkpoint.dcp_state import (
-            save_sharded,  # DCP's import costs ~1 s: only when used
-        )
+        from accumix.checkpoint.dcp_state import write  # DCP's import costs ~1 s: when used
+
+        write(self.checkpoint_state(models, optimizers), directory)
+
+    def checkpoint_state(self, models: list[nn.Module], optimizers: list[Optimizer]
+                         ) -> dict[str, Any]:
+        """The state dict ``save_checkpoint`` writes, of live tensors (collective): what a
+        background save copies to host memory before the loop goes on. The default:
+        ``get_state_dict`` of every model and its optimizers (``dcp_state.state_of``)."""
+        from accumix.checkpoint.dcp_state import state_of
 
         if self._distributed:
             # DCP writes a replicated buffer from whichever rank its de-duplication picks;
             # the buffers that count are rank 0's (DDP broadcasts them at each forward).
             for model in models:
                 broadcast_buffers_(self.unwrap(model), self.broadcast)
-        save_sharded(directory, models, optimizers)
+        return state_of(models, optimizers)
 
     def load_checkpoint(
         self, directory: str, models: list[nn.Module], optimizers: list[Optimizer], *,
@@ -353,6 +367,7 @@ class Strategy:
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order (collective)."""
         if not self._distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
@@ -360,11 +375,13 @@ class Strategy:
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``tensor`` as rank ``src`` holds it, in place on every rank (collective)."""
         if self._distributed:
             dist.broadcast(tensor, src=src)
         return tensor
 
     def barrier(self) -> None:
+        """Waits until every rank has called it (collective)."""
         if self._distributed:
             dist.barrier()
 

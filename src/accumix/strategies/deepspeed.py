@@ -140,6 +140,7 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError(f"DeepSpeedStrategy(hpz={hpz!r}) partitions ZeRO-3's parameters; "
                               f"use stage=3 with it (not stage={stage})")
         self.stage, self.hpz = stage, hpz
+        self.forward_collectives = stage == 3  # ZeRO-3 gathers parameters in the forward
         self.hpz_partition_size: int | None = None
         self.user_config = read_user_config(config)
         import_deepspeed()  # fail at construction, not at the first setup
@@ -373,6 +374,18 @@ class DeepSpeedStrategy(Strategy):
             engine = self._engine(model)
             deepspeed_state.save(directory, engine, optimizer, self._groups[id(engine)],
                                  self._trained[id(engine)], self.stage)
+
+    def checkpoint_state(self, models: list[nn.Module], optimizers: list[Optimizer]
+                         ) -> dict[str, Any]:
+        """The one engine's ``save_checkpoint`` state (gathered fp32 copies), for a background
+        save to stage."""
+        if len(models) != 1:
+            raise ConfigError("save_state(background=True) with strategy='deepspeed' holds one "
+                              f"model; this run set up {len(models)}: save with "
+                              "background=False")
+        engine = self._engine(models[0])
+        return deepspeed_state.state(engine, optimizers[0], self._groups[id(engine)],
+                                     self._trained[id(engine)], self.stage)
 
     def load_checkpoint(self, directory: str, models: list[nn.Module],
                         optimizers: list[Optimizer], *, strict: bool = True) -> None:

@@ -114,13 +114,19 @@ def save(directory: str, engine: Any, optimizer: Optimizer, groups: list[list[st
          trained: set[int], stage: int) -> None:
     """Writes the engine's model and optimizer as ``save_sharded`` writes a plain pair
     (collective; see the module docstring)."""
+    dcp_state.write(state(engine, optimizer, groups, trained, stage), directory)
+
+
+def state(engine: Any, optimizer: Optimizer, groups: list[list[str]], trained: set[int],
+          stage: int) -> dict[str, Any]:
+    """What ``save`` writes: full fp32 masters and optimizer states (gathered copies)."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
     zero = engine.optimizer
     _relink(zero)
     params = dict(engine.module.named_parameters())
     per_group = _flat_group_states(zero)
-    state: dict[str, Any] = {}
+    states: dict[str, Any] = {}
     for index, names in enumerate(groups):
         if index not in per_group:
             continue  # never stepped: no state, as a torch optimizer has none
@@ -132,17 +138,16 @@ def save(directory: str, engine: Any, optimizer: Optimizer, groups: list[list[st
             entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}
             for key in keys:
                 entry[key] = safe_get_full_optimizer_state(p, key).reshape(_shape(p)).clone()
-            state[name] = entry
+            states[name] = entry
     param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(names)}
                     for group, names in zip(optimizer.param_groups, groups, strict=True)]
-    sd = {
+    return {
         "model0": full_state(engine, trained, stage),
-        "optim0": {"state": state, "param_groups": param_groups},
+        "optim0": {"state": states, "param_groups": param_groups},
         "engine0": {"global_steps": int(engine.global_steps),
                     "global_samples": int(engine.global_samples),
                     "skipped_steps": int(engine.skipped_steps)},
     }
-    dcp_state.write(sd, directory)
 
 
 # -- load ------------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     honours_reduce_dtype = True
+    forward_collectives = True  # each unit's parameters are all-gathered in its forward
 
     def __init__(
         self,

@@ -106,18 +106,18 @@ class ZeRO1Strategy(DDPStrategy):
     def checkpoint_format(self) -> str:
         return "dcp"
 
-    def save_checkpoint(
-        self, directory: str, models: list[nn.Module], optimizers: list[Optimizer]
-    ) -> None:
-        """Each rank writes its shard's states under the plain optimizer's keys.
+    def checkpoint_state(self, models: list[nn.Module], optimizers: list[Optimizer]
+                         ) -> dict[str, Any]:
+        """Each rank's shard's states under the plain optimizer's keys.
 
         ``get_state_dict`` cannot read a ZeroRedundancyOptimizer, so the user's optimizer (same
         parameters, same groups) lends it this rank's states; nothing is gathered, and the
-        shards together hold every parameter's state once.
+        shards together hold every parameter's state once. The state dict keeps the lent
+        tensors after the loan ends.
         """
         plain = [self._lend_states(opt) for opt in optimizers]
         try:
-            super().save_checkpoint(directory, models, plain)
+            return super().checkpoint_state(models, plain)
         finally:
             for opt, lent in zip(optimizers, plain, strict=True):
                 if lent is not opt:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from accumix.common import run_dir as layout
+from accumix.common.locations import AnyPath, RemotePath, location
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 
 if TYPE_CHECKING:
@@ -18,25 +19,48 @@ if TYPE_CHECKING:
 log = logging.getLogger("accumix")
 
 
-def save_checkpoint(trainer: Trainer) -> Path | None:
+def run_dirs(run_dir: str | Path | None, local_dir: str | Path | None
+             ) -> tuple[Path | None, AnyPath | None]:
+    """The Trainer's (local directory, checkpoint directory): the same local path, or the
+    local directory of a URL ``run_dir`` (metrics, plots and the lock stay on this machine).
+
+    Raises:
+        ConfigError: ``local_dir`` without a URL ``run_dir``, or a URL that cannot be used.
+    """
+    if run_dir is None:
+        if local_dir is not None:
+            raise ConfigError("local_dir= needs run_dir=; give both or neither")
+        return None, None
+    where = location(run_dir)
+    if isinstance(where, RemotePath):
+        return (Path(local_dir) if local_dir is not None else Path("runs") / where.name), where
+    if local_dir is not None:
+        raise ConfigError(f"local_dir={str(local_dir)!r} is for a run_dir on an object store "
+                          f"(s3://...); run_dir={str(run_dir)!r} is local and holds everything")
+    return where, where
+
+
+def save_checkpoint(trainer: Trainer, *, background: bool = False) -> Path | None:
     """``trainer.save_checkpoint()``: collective; None (a warning, once) without a run
     directory."""
-    if trainer.run_dir is None:
+    if trainer.checkpoint_dir is None:
         if not trainer._warned_no_checkpoint and trainer.accelerator.is_main_process:
             log.warning("checkpoints are off: no run_dir was given")
         trainer._warned_no_checkpoint = True
         return None
-    path = trainer.steps.save(trainer.run_dir, trainer.keep_checkpoints, trainer.state_dict(),
-                              lambda tmp: trainer.dispatch("on_write_checkpoint", tmp))
+    path = trainer.steps.save(trainer.checkpoint_dir, trainer.keep_checkpoints,
+                              trainer.state_dict(),
+                              lambda tmp: trainer.dispatch("on_write_checkpoint", tmp),
+                              **({"background": True} if background else {}))
     trainer._saved_step, trainer._saved_path = trainer.step, path
     trainer.dispatch("on_save_checkpoint", path)
     return path
 
 
-def load_checkpoint(trainer: Trainer, path: str | Path, *, missing_ok: bool) -> Path | None:
+def load_checkpoint(trainer: Trainer, path: Any, *, missing_ok: bool) -> Any:
     """``trainer.load_checkpoint(path)``: collective; None when ``missing_ok`` and nothing is
     there."""
-    path = Path(path)
+    path = location(path)
     if not (path / "latest").exists() and not path.name.startswith("step-"):
         if missing_ok:
             return None
@@ -57,8 +81,16 @@ def save_for_preemption(trainer: Trainer) -> Path | None:
     """``trainer.save_for_preemption()``: the checkpoint of this step, saved now or already
     (a signal during that step's own save needs no second one)."""
     if trainer._saved_step == trainer.step and trainer._saved_path is not None:
+        wait_for_save(trainer)  # it may still be writing behind the loop
         return trainer._saved_path
     return save_checkpoint(trainer)
+
+
+def wait_for_save(trainer: Trainer) -> None:
+    """Waits for a background save in flight (collective), raising its error."""
+    wait = getattr(trainer.steps, "wait_for_save", None)
+    if wait is not None:
+        wait()
 
 
 def stop_preempted(trainer: Trainer) -> NoReturn:

@@ -265,8 +265,39 @@ def load_config(cls: type[T], path: str | Path | None = None,
                 overrides: Iterable[str] = ()) -> T:
     """The config ``cls`` from an optional YAML file and ``key=value`` overrides (applied last).
 
+    Every key is checked against the dataclass's fields (nested dataclasses are sections:
+    ``model.n_layer=2``) and every value against the field's type; values are YAML, read with
+    ``yaml.safe_load``.
+
+    Args:
+        cls: a keyword-only dataclass whose fields are ints, floats, bools, strings, None,
+            ``Literal`` words, tuples of those, or dataclasses of the same kind.
+        path: a YAML file of keys (None: the defaults).
+        overrides: ``key=value`` strings, dotted for sections, applied after the file.
+
+    Returns:
+        An instance of ``cls``.
+
     Raises:
-        ConfigError: see ``read_yaml``, ``parse_overrides`` and ``from_dict``.
+        ConfigError: an unknown key (the message lists the valid ones), a value of the wrong
+            type, a file that is missing or not a YAML mapping, an override without ``=``.
+
+    Example:
+        ```python
+        from dataclasses import dataclass
+
+        import accumix as ax
+
+
+        @dataclass(kw_only=True, frozen=True)
+        class Job:
+            lr: float = 1e-3
+            steps: int = 100
+
+
+        job = ax.load_config(Job, None, ["steps=20"])
+        assert job == Job(steps=20)
+        ```
     """
     data = read_yaml(path) if path is not None else {}
     return from_dict(cls, merge(data, parse_overrides(overrides)))

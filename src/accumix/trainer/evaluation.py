@@ -15,15 +15,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import (
-    DataLoader,
-    IterableDataset,
-    RandomSampler,
-    SequentialSampler,
-    Subset,
-    SubsetRandomSampler,
-)
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SubsetRandomSampler
 
+from accumix.data.eval_loader import evaluated_indices, subset_loader
 from accumix.data.loader import move_to_device
 from accumix.errors import ConfigError
 from accumix.trainer.metrics import batch_samples, split_loss
@@ -56,44 +50,9 @@ def shard_for_eval(loader: DataLoader, rank: int, world_size: int) -> tuple[Data
     random_order = isinstance(loader.sampler, (RandomSampler, SubsetRandomSampler))
     if world_size == 1 and not (loader.drop_last and random_order):
         return loader, -1  # one process evaluates exactly what the loader yields
-    indices = _evaluated_indices(loader, world_size)
-    batch = loader.batch_size
-    if loader.drop_last:
-        indices = indices[:len(indices) // batch * batch]
-    workers = loader.num_workers
-    shard = DataLoader(
-        Subset(loader.dataset, indices[rank::world_size]),
-        batch_size=batch,
-        shuffle=False,
-        num_workers=workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context if workers else None,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if workers else None,
-        persistent_workers=loader.persistent_workers if workers else False,
-    )
-    return shard, math.ceil(len(indices[0::world_size]) / batch)
-
-
-def _evaluated_indices(loader: DataLoader, world_size: int) -> list[int]:
-    """The dataset indices the loader's sampler covers, in a fixed order (no random draw)."""
-    sampler, size = loader.sampler, len(loader.dataset)  # type: ignore[arg-type]
-    if isinstance(sampler, SequentialSampler):
-        return list(range(size))
-    if isinstance(sampler, RandomSampler) and not sampler.replacement \
-            and sampler.num_samples == size:
-        return list(range(size))  # every sample once, shuffled: the same set
-    if isinstance(sampler, SubsetRandomSampler):
-        return [int(i) for i in sampler.indices]
-    raise ConfigError(
-        f"val_loader's sampler {type(sampler).__name__} cannot be split over {world_size} "
-        "ranks without changing which samples are evaluated; give the samples as "
-        "torch.utils.data.Subset(dataset, indices) (or a SubsetRandomSampler) and no other "
-        "sampler: the Trainer shards the validation set itself"
-    )
+    indices = evaluated_indices(loader, world_size)
+    shard = subset_loader(loader, indices[rank::world_size])
+    return shard, math.ceil(len(indices[0::world_size]) / loader.batch_size)
 
 
 @torch.no_grad()

@@ -50,13 +50,32 @@ EVENTS = (
 
 
 class Callback:
-    """Hooks into the Trainer's loop; every method is an optional no-op."""
+    """Hooks into the Trainer's loop; every method is an optional no-op.
+
+    Every event receives the ``trainer`` first: ``trainer.step``, ``trainer.epoch``,
+    ``trainer.accelerator``, ``trainer.should_stop``, the set-up ``trainer.model``, ...
+
+    Example:
+        ```python
+        import accumix as ax
+
+
+        class StopAtLoss(ax.Callback):
+            def __init__(self, target: float) -> None:
+                self.target = target
+
+            def on_optimizer_step(self, trainer, metrics):
+                if metrics.loss < self.target:  # the window's loss: the same on every rank
+                    trainer.should_stop = True
+        ```
+    """
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """Before the first batch (the run directory exists, nothing is resumed yet)."""
 
     def on_train_batch_start(self, trainer: Trainer, batch: Any) -> None:
-        """Before a micro-step's forward; ``trainer.micro_step`` is 0 at a window's start."""
+        """Before a micro-step's forward (``batch``: its micro-batch, as the loader gave it);
+        ``trainer.micro_step`` is 0 at a window's start."""
 
     def on_before_backward(self, trainer: Trainer, loss: torch.Tensor) -> None:
         """After the forward: ``loss`` is the micro-batch's mean loss or its loss sum."""
@@ -76,22 +95,28 @@ class Callback:
 
     def on_optimizer_step(self, trainer: Trainer, metrics: StepMetrics) -> None:
         """After the optimizer step (or its fp16 skip: ``metrics.skipped``), with the window's
-        metrics; callbacks may add columns to ``metrics.extra`` before loggers write the row."""
+        ``metrics`` (a ``StepMetrics``); callbacks may add columns to ``metrics.extra`` before
+        loggers write the row."""
 
     def on_train_batch_end(self, trainer: Trainer, batch: Any) -> None:
-        """After a micro-step (and after the step, the evaluation and the row at a boundary)."""
+        """After a micro-step on ``batch`` (and after the step, the evaluation and the row at a
+        boundary)."""
 
     def on_validation_start(self, trainer: Trainer) -> None:
         """Before an evaluation (``WeightAveraging`` swaps its average in here)."""
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """After an evaluation; ``metrics["val_loss"]`` is the same on every rank."""
+        """After an evaluation; ``metrics`` holds ``val_loss`` (the same on every rank),
+        ``val_items`` and the named sums (``val_<name>``)."""
 
     def on_write_checkpoint(self, trainer: Trainer, directory: Path) -> None:
         """While a checkpoint is written, before it is published: files written under
         ``directory`` (the temporary step directory) are part of the checkpoint, which
         ``latest`` names only once they are complete (``WeightAveraging`` writes its average
-        here). Collective: every rank calls it."""
+        here). Collective: every rank calls it, in the loop's thread (a background save
+        waits for it). On an object store ``directory`` is an
+        ``accumix.common.locations.RemotePath`` (``/``, ``write_bytes``, ``open``; its
+        ``str()`` is the URL, which ``torch.distributed.checkpoint`` writes through fsspec)."""
 
     def on_save_checkpoint(self, trainer: Trainer, path: Path) -> None:
         """After ``Accelerator.save_state`` wrote ``path`` (a ``step-<n>`` directory)."""
@@ -111,4 +136,4 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Takes back what ``state_dict()`` returned when the checkpoint was saved."""
+        """Takes back ``state``, what ``state_dict()`` returned when the checkpoint was saved."""

@@ -18,7 +18,6 @@ import math
 import signal
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from accumix.common.preemption import PreemptionWatch
 from accumix.jax.accelerator import Accelerator
 from accumix.jax.data import WindowLoader, to_numpy
 from accumix.jax.state import TrainState
@@ -76,19 +76,14 @@ class JaxSteps:
         self._item_mode: bool | None = None
         self._eval_fn: Any = None
         self._host_step = 0  # optimizer steps as last read from the device
-        self._signalled = False
         self._system: SystemSampler | None = None
-        self._old_handlers = {sig: signal.signal(sig, self._on_signal)
-                              for sig in preemption_signals}
+        # Off the main thread (Ray Train's worker thread) no handler can be installed: then
+        # only accumix.request_preemption() and the added checks stop the run.
+        self._watch = PreemptionWatch(preemption_signals, rank=accelerator.rank)
 
     def close(self) -> None:
         """Puts the signal handlers back (the Trainer calls it when ``fit`` ends)."""
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers = {}
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._signalled = True
+        self._watch.close()
 
     # -- what the loop reads -------------------------------------------------------------------
     @property
@@ -179,7 +174,7 @@ class JaxSteps:
             self._system.due(step) for step in range(first, first + count))
         system = (self._system.sample((time.perf_counter() - started) / count) if sampled
                   else self._system.empty()) if self._system is not None else []
-        rows = np.asarray([[float(self._signalled), *system]], np.float64)
+        rows = np.asarray([[float(self._watch.requested()), *system]], np.float64)
         if self.accelerator.world_size > 1:
             from jax.experimental import multihost_utils
 
@@ -188,6 +183,7 @@ class JaxSteps:
 
     def _save_and_exit(self, trainer: Trainer) -> None:
         """Some process was signalled: save here and stop as pre-empted (every process)."""
+        self._watch.served()
         trainer.stop_preempted()
 
     def first_error(self, message: str | None) -> str | None:
@@ -227,13 +223,19 @@ class JaxSteps:
         loss_sum, items = (float(x) for x in jax.device_get(total))
         return {"val_loss": loss_sum / items if items > 0 else math.nan, "val_items": items}
 
-    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
-             before_publish: Callable[[Path], None] | None = None) -> Path:
+    def save(self, run_dir: Any, keep_last: int | None, extra_state: dict[str, Any],
+             before_publish: Callable[[Any], None] | None = None, *,
+             background: bool = False) -> Any:
         return self.accelerator.save_state(run_dir, self.state, keep_last=keep_last,
                                            extra_state=extra_state,
-                                           before_publish=before_publish)
+                                           before_publish=before_publish,
+                                           background=background)
 
-    def load(self, path: Path) -> None:
+    def wait_for_save(self) -> None:
+        """Waits for a background save in flight (its error, if it failed, is raised)."""
+        self.accelerator.wait_for_save()
+
+    def load(self, path: Any) -> None:
         self.state = self.accelerator.load_state(path, self.state)
         self._host_step = int(jax.device_get(self.state.step))
 

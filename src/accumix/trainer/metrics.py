@@ -75,10 +75,13 @@ class StepMetrics:
 
     @property
     def samples_per_s(self) -> float:
+        """Samples per second over all ranks in this step (NaN for a step of no time)."""
         return self.samples / self.step_time_s if self.step_time_s > 0 else math.nan
 
     @property
     def tokens_per_s(self) -> float | None:
+        """Items (tokens) per second over all ranks, when the step returns item counts;
+        None in mean mode."""
         if self.items is None:
             return None
         return self.items / self.step_time_s if self.step_time_s > 0 else math.nan

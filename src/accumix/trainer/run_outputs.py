@@ -92,7 +92,8 @@ class RunOutputs:
             if not trainer.resume:
                 forget_runs(trainer.run_dir)
             for logger in trainer.loggers:
-                logger.open(trainer.run_dir, resume_step=trainer.step)
+                # None: a fresh run (the file loggers keep no row, not even a step-0 one).
+                logger.open(trainer.run_dir, resume_step=trainer.step or None)
 
         self._agree(open_loggers)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -147,11 +146,12 @@ class TorchSteps:
         """SIGTERM on any rank: every rank saves the Trainer's checkpoint at the next window
         boundary (``acc.handle_preemption``, one scalar all-reduce per window), then the loop
         stops (``trainer.stop_preempted``). Off, with a warning, where a save mid-epoch is
-        impossible (a loader that cannot resume mid-epoch) or signals cannot be caught (not
-        the main thread)."""
+        impossible (a loader that cannot resume mid-epoch). Off the main thread (Ray Train)
+        signals cannot be caught: ``accumix.request_preemption()`` and the added checks
+        (``accumix.common.preemption``) still are."""
         try:
             self._preemption = self.accelerator.handle_preemption(
-                trainer.run_dir, keep_last=trainer.keep_checkpoints, exit=False,
+                trainer.checkpoint_dir, keep_last=trainer.keep_checkpoints, exit=False,
                 save=trainer.save_for_preemption)
         except ConfigError as exc:
             if self.accelerator.is_main_process:
@@ -228,12 +228,18 @@ class TorchSteps:
         return evaluate(self.model, loader, self.val_step_fn, self.accelerator,
                         max_batches=max_batches, sharded=max_batches >= 0)
 
-    def save(self, run_dir: Path, keep_last: int | None, extra_state: dict[str, Any],
-             before_publish: Callable[[Path], None] | None = None) -> Path:
+    def save(self, run_dir: Any, keep_last: int | None, extra_state: dict[str, Any],
+             before_publish: Callable[[Any], None] | None = None, *,
+             background: bool = False) -> Any:
         # The callbacks' files are written before ``latest`` moves (a crash in between must
         # not publish a checkpoint without them).
         return self.accelerator.save_state(run_dir, keep_last=keep_last or None,
-                                           extra_state=extra_state, before_publish=before_publish)
+                                           extra_state=extra_state, before_publish=before_publish,
+                                           background=background)
 
-    def load(self, path: Path) -> None:
+    def wait_for_save(self) -> None:
+        """Waits for a background save in flight (its error, if it failed, is raised)."""
+        self.accelerator.wait_for_save()
+
+    def load(self, path: Any) -> None:
         self.accelerator.load_state(path)

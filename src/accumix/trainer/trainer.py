@@ -15,7 +15,8 @@ The loop is backend-free. A *steps* object runs the training itself and calls
 steps object provides ``accelerator``, ``optimizer_steps``, ``epoch``, ``batches_per_epoch``,
 ``grad_accum_steps``, ``run_epoch(trainer)``, ``validate()``, ``save(run_dir, keep_last,
 extra_state)`` (``extra_state``: the loop's and callbacks' JSON state, kept in the checkpoint's
-``meta.json``), ``load(path)`` and optionally ``close()`` (called when ``fit`` ends).
+``meta.json``; ``background=True`` when ``checkpoint_background`` asks), ``load(path)`` and
+optionally ``close()`` (called when ``fit`` ends) and ``wait_for_save()``.
 
 A checkpoint holds the loop's own state too: whether a callback stopped the run, the last
 losses, and every callback's ``state_dict()``. A finished run (``max_steps``, ``max_epochs`` or
@@ -90,7 +91,12 @@ class Trainer:
         checkpoint_every: save ``acc.save_state(run_dir)`` every this many steps and at the end;
             None: no checkpoints.
         run_dir: where metrics, checkpoints and plots go; None: no files at all. One live
-            job per run directory: a second one is refused while the first runs.
+            job per run directory: a second one is refused while the first runs. An object
+            store URL (``s3://bucket/job``) holds the checkpoints; the rest stays local.
+        local_dir: with a URL ``run_dir``, the local directory of the metrics, plots and
+            lock (default ``runs/<the URL's last part>``).
+        checkpoint_background: periodic saves write behind the loop (``acc.save_state(...,
+            background=True)``); pre-emption saves and the last one stay synchronous.
         resume: continue from ``run_dir/latest`` when it exists; False starts afresh (metric
             files restarted, new tracker runs).
         keep_checkpoints: keep only this many newest checkpoints (None: all).
@@ -130,6 +136,8 @@ class Trainer:
         eval_every: int | None = None,
         checkpoint_every: int | None = None,
         run_dir: str | Path | None = None,
+        local_dir: str | Path | None = None,
+        checkpoint_background: bool = False,
         resume: bool = True,
         keep_checkpoints: int | None = None,
         grad_clip: float | None = 1.0,
@@ -163,7 +171,8 @@ class Trainer:
         self.accelerator = acc = steps.accelerator
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.eval_every, self.checkpoint_every = eval_every, checkpoint_every
-        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.run_dir, self.checkpoint_dir = checkpointing.run_dirs(run_dir, local_dir)
+        self.checkpoint_background = bool(checkpoint_background)
         self.resume, self.grad_clip = resume, grad_clip
         if keep_checkpoints is not None and (not isinstance(keep_checkpoints, int)
                                              or keep_checkpoints < 1):
@@ -202,22 +211,28 @@ class Trainer:
     # -- the backend's objects, for callbacks ----------------------------------------------------
     @property
     def model(self) -> Any:
+        """The set-up model, what ``acc.setup`` returned (None on JAX: the params are in the
+        train state)."""
         return getattr(self.steps, "model", None)
 
     @property
     def optimizer(self) -> Any:
+        """The set-up optimizer (None on JAX)."""
         return getattr(self.steps, "optimizer", None)
 
     @property
     def scheduler(self) -> Any:
+        """The set-up LR scheduler (None without one, and on JAX)."""
         return getattr(self.steps, "scheduler", None)
 
     @property
     def train_loader(self) -> Any:
+        """The set-up training loader (sharded per rank, resumable; on JAX its windows)."""
         return getattr(self.steps, "train_loader", None)
 
     @property
     def val_loader(self) -> Any:
+        """The validation loader (None without one)."""
         return getattr(self.steps, "val_loader", None)
 
     # -- state -------------------------------------------------------------------------------
@@ -254,7 +269,8 @@ class Trainer:
             What was done (steps, last losses, where it resumed from).
 
         Raises:
-            Whatever the loop raised, after every callback's ``on_exception``.
+            Preempted: a pre-emption signal arrived; the step was saved (exit status 143).
+            Exception: whatever the loop raised, after every callback's ``on_exception``.
         """
         started = time.perf_counter()
         outputs = self._outputs = RunOutputs(self)
@@ -266,14 +282,15 @@ class Trainer:
             if watch is not None and self.run_dir is not None:
                 watch(self)  # from here a SIGTERM is saved at the next window boundary
             self.dispatch("on_fit_start")
-            if self.resume and self.run_dir is not None:
-                self.load_checkpoint(self.run_dir, missing_ok=True)
+            if self.resume and self.checkpoint_dir is not None:
+                self.load_checkpoint(self.checkpoint_dir, missing_ok=True)
             outputs.open()
             self._train()
             if self.val_loader is not None and self._evaluated_step != self.step:
                 self.validate()
             if self.checkpoint_every is not None and self._saved_step != self.step:
                 self.save_checkpoint()
+            checkpointing.wait_for_save(self)  # the last save, if it went in the background
         except BaseException as exc:  # a Preempted too: the trackers close as pre-empted
             self.dispatch("on_exception", exc)
             outputs.close()
@@ -330,8 +347,8 @@ class Trainer:
                 return
 
     def end_window(self, metrics: StepMetrics) -> None:
-        """After an optimizer step (called by the steps object): callbacks, evaluation, the
-        logged row, the checkpoint."""
+        """After an optimizer step (called by the steps object with the window's ``metrics``):
+        callbacks, evaluation, the logged row, the checkpoint."""
         self.step, self.micro_step, self.last_metrics = metrics.step, 0, metrics
         self._outputs.note_geometry(metrics)
         self.dispatch("on_optimizer_step", metrics)
@@ -341,7 +358,7 @@ class Trainer:
         if self.accelerator.is_main_process:
             self._outputs.log(metrics.as_row())
         if stepped and self.checkpoint_every and self.step % self.checkpoint_every == 0:
-            self.save_checkpoint()
+            self.save_checkpoint(background=self.checkpoint_background)
 
     # -- evaluation and checkpoints (trainer/checkpointing.py) ---------------------------------
     def validate(self) -> dict[str, float]:
@@ -358,16 +375,16 @@ class Trainer:
         self.dispatch("on_validation_end", result)
         return result
 
-    def save_checkpoint(self) -> Path | None:
-        """Saves the run (``acc.save_state(run_dir)``; collective).
+    def save_checkpoint(self, *, background: bool = False) -> Path | None:
+        """Saves the run (``acc.save_state(run_dir, background=...)``; collective).
 
         Returns:
-            The step directory written, or None without a run directory (a warning says so,
-            once).
+            The step directory written (with ``background``: being written), or None without
+            a run directory (a warning says so, once).
         """
-        return checkpointing.save_checkpoint(self)
+        return checkpointing.save_checkpoint(self, background=background)
 
-    def load_checkpoint(self, path: str | Path, *, missing_ok: bool = False) -> Path | None:
+    def load_checkpoint(self, path: Any, *, missing_ok: bool = False) -> Path | None:
         """Restores the run from ``path`` (a run directory, whose ``latest`` is followed, or a
         step directory) with ``acc.load_state`` (collective).
 
@@ -395,5 +412,6 @@ class Trainer:
         return run_state.state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what ``state_dict()`` returned, callbacks matched by class name and order."""
+        """Restores ``state``, what ``state_dict()`` returned, callbacks matched by class name
+        and order."""
         run_state.restore(self, state)

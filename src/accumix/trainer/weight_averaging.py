@@ -185,6 +185,10 @@ class WeightAveraging(Callback):
         the file ``acc.save_model`` writes for the live model: it loads strictly into a fresh
         copy of the plain model.
 
+        Args:
+            trainer: the Trainer this callback is in.
+            directory: created if needed.
+
         Returns:
             The file's path.
         """
@@ -199,7 +203,7 @@ class WeightAveraging(Callback):
         return {"updates": self.updates, "decay": self.decay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the counters saved by ``state_dict``."""
+        """Restores the counters in ``state``, what ``state_dict`` saved."""
         self.updates = int(state["updates"])
         self._state_loaded = True
 
@@ -217,7 +221,7 @@ class WeightAveraging(Callback):
                 "WeightAveraging before that callback")
         state = {PREFIX + n: self._holder.saved(a, p)
                  for n, a, p in zip(self.names, self.average, self._params, strict=True)}
-        dcp_state.write(state, str(Path(directory) / self._dir))
+        dcp_state.write(state, str(directory / self._dir))  # a Path, or an object store's
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, path: Path) -> None:

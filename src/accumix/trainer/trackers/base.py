@@ -27,6 +27,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from accumix.common.launch_env import process_rank
 from accumix.common.redact import redact, redact_values
 from accumix.common.safe_write import refuse_link, replace_text
 from accumix.errors import ConfigError, Preempted
@@ -36,31 +37,6 @@ log = logging.getLogger("accumix")
 
 RUN_IDS_FILE = "trackers.json"
 MODEL_FILE = "model.safetensors"
-
-
-def process_rank() -> int:
-    """This process's rank in the job: JAX's process index once jax.distributed runs, else
-    torch.distributed's rank once its process group is up (a plain loop may start it with
-    ``rank=`` and no launcher variables), else the launcher's (torchrun, SLURM, MPI) variables;
-    0 when nothing was launched.
-
-    Never asks JAX for its process count unless jax.distributed was initialised: that call
-    starts JAX's backends (on a GPU, JAX then takes most of its memory) in a torch job that
-    merely imported jax, and would make a later ``jax.distributed.initialize`` fail.
-    """
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        try:
-            if jax.distributed.is_initialized():
-                return int(jax.process_index())
-        except Exception:  # an odd jax: the other sources decide
-            pass
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    from accumix.common.launch_env import detect_launch_env
-
-    return detect_launch_env().rank
 
 
 def read_run_ids(run_dir: Path) -> dict[str, Any]:
@@ -169,6 +145,9 @@ class TrackerLogger(MetricLogger):
         """Fails now, with the one line ``open`` would give, when the run could not be opened
         (for a launcher, before it starts any worker); creates no run.
 
+        Args:
+            run_dir: the run directory the job will use.
+
         Raises:
             ConfigError: the run directory or the tracking location cannot be used.
         """
@@ -182,12 +161,14 @@ class TrackerLogger(MetricLogger):
                               f"{str(run_dir)!r} ({exc.strerror}); give a writable one") from None
 
     @override
-    def open(self, run_dir: Path, *, resume_step: int) -> None:
-        """Creates the run on rank 0, or continues the one ``run_dir/trackers.json`` names.
+    def open(self, run_dir: Path, *, resume_step: float | None = None) -> None:
+        """Creates the run on rank 0, or continues the one ``run_dir/trackers.json`` names
+        (``resume_step``: the optimizer step resumed from; None or 0 for a fresh start).
 
         Raises:
             ConfigError: the tracking location cannot be written (one line naming it).
         """
+        resume_step = int(resume_step or 0)
         self.active = False
         if process_rank() != 0:
             return
