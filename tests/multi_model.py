@@ -218,11 +218,17 @@ def lbfgs_reference(steps: int) -> tuple[list[torch.Tensor], list[float]]:
     return _params(model), losses
 
 
-def lbfgs_accumix(steps: int, strategy: str = "auto") -> tuple[list[torch.Tensor], list[Any]]:
+def lbfgs_accumix(steps: int, strategy: str = "auto", *, late: bool = False
+                  ) -> tuple[list[torch.Tensor], list[Any]]:
+    """``late``: the optimizer built over the set-up model's parameters, set up on its own."""
     acc = ax.Accelerator(strategy=strategy, precision="fp32")
     model = lbfgs_model()
-    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
-    model, opt = acc.setup(model, opt)
+    if late:
+        model = acc.setup(model)
+        opt = acc.setup(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4))
+    else:
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+        model, opt = acc.setup(model, opt)
     x, y = shard(lbfgs_data(), acc.rank, acc.world_size)
 
     def closure() -> torch.Tensor:

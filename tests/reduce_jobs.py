@@ -187,3 +187,37 @@ def gradient_bytes(log: CollectiveLog) -> tuple[int, list[str]]:
     """The gradient collectives' payload bytes (all-reduces, reduce-scatters) and dtypes."""
     calls = [c for c in log.calls if c.op == "all_reduce" or c.op.startswith("reduce_scatter")]
     return sum(c.nbytes for c in calls), sorted({str(c.dtype) for c in calls})
+
+
+def fp16_wire_windows(strategy: Any, *, items: bool, windows: int = 6, accum: int = 4
+                      ) -> tuple[int, float | None, list[torch.Tensor]]:
+    """fp16-mixed with an fp16 wire, ``windows`` windows of ``accum`` micro-steps of 16 rows a
+    rank, the loss a mean or ``(loss_sum, num_items)`` (every micro-batch has 16 items: the
+    same gradients). A zero-initialised ``Linear(8, 1)`` against targets near 0.3: the bias
+    gradient of the mean (0.6) times the initial scale 2**16 is just inside fp16, the same
+    gradient K=4 times over is not. Returns (skipped steps, final scale, full parameters)."""
+    acc = ax.Accelerator(strategy=strategy, precision="fp16-mixed", grad_accum_steps=accum,
+                         reduce_dtype="fp16")
+    model = nn.Linear(8, 1)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = acc.setup(model, opt)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(windows * accum, acc.world_size, 16, 8, generator=gen)
+    y = 0.3 + 0.05 * torch.randn(windows * accum, acc.world_size, 16, 1, generator=gen)
+    skipped = 0
+    for step in range(windows * accum):
+        with acc.accumulate():
+            err = (model(x[step, acc.rank]).float() - y[step, acc.rank]) ** 2
+            if items:
+                acc.backward(err.sum(), num_items=err.numel())
+            else:
+                acc.backward(err.mean())
+            opt.step()
+            opt.zero_grad()
+        skipped += acc.sync_gradients and acc.step_was_skipped
+    params = full_params(acc, model)
+    scale = acc.loss_scale
+    acc.end()
+    return skipped, scale, params

@@ -18,6 +18,8 @@ from torch.utils.data import DataLoader
 import accumix as ax
 from accumix.memory.model import estimate_memory
 from accumix.testing import spawn
+from tests import multi_model as mm
+from tests import skipped_blocks
 from tests import workloads as w
 from tests.distributed.test_sharded import Net
 from tests.frozen_heap import frozen_heap
@@ -323,6 +325,10 @@ def four_rank_job(run_dir: str) -> dict[str, Any]:
     if importlib.util.find_spec("deepspeed") is not None:
         out["hpz"] = _hpz(run_dir + "-hpz")
     out["exact"] = _exactness(run_dir + "-model")
+    out["skipped blocks"] = skipped_blocks.max_diff_to_reference(ax.HSDPStrategy())
+    lbfgs_ref = mm.lbfgs_reference(steps=3)
+    lbfgs = mm.lbfgs_accumix(steps=3, strategy="hsdp")
+    out["lbfgs"] = (mm.max_diff(lbfgs_ref[0], lbfgs[0]), lbfgs_ref[1], lbfgs[1])
     out["overflow"] = _overflow_on_one_rank()
     out["memory"] = _memory()
     out["oom"] = _out_of_memory_split()

@@ -6,7 +6,9 @@ every 2 steps and turns SIGTERM into a save at the next boundary (``acc.handle_p
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,3 +133,67 @@ def test_hung_rank_stops_every_process_within_the_timeout(tmp_path: Path) -> Non
         # Both workers ended with a failure (rank 1 by its watchdog or by the agent).
         assert stderr.count("exitcode  : ") == 2, (where, stderr[-2000:])
         assert "exitcode  : 0" not in stderr, where
+
+
+def _job_processes(pid: int) -> list[int]:
+    """``pid`` and every process below it (launcher, agent, ranks, DataLoader workers)."""
+    import psutil
+
+    return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+
+
+def _stopped(run: Path, signal_to: str, start: str) -> tuple[int, str, str]:
+    """An ``accumix launch`` of the job with 2 DataLoader workers a rank, stopped by SIGTERM
+    once a checkpoint newer than ``start`` is published: to the launcher alone (``"launcher"``:
+    its agent forwards it with killpg to each rank's group, workers included) or to every
+    process of the job (``"job"``: SLURM's way). Returns (exit status, latest, stderr)."""
+    command = [sys.executable, "-m", "accumix.cli.main", "launch", "--nproc", "2", str(SCRIPT),
+               str(run), "--workers", "2", "--slow", "0.2"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=ENV, cwd=ROOT, start_new_session=True)
+    latest = run / "latest"
+    try:
+        deadline = time.time() + 240
+        while (not latest.exists() or latest.read_text().strip() == start) and (
+                time.time() < deadline and proc.poll() is None):
+            time.sleep(0.05)
+        pids = [proc.pid] if signal_to == "launcher" else _job_processes(proc.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, latest.read_text().strip(), err
+
+
+def test_sigterm_to_the_launcher_or_the_whole_job_with_dataloader_workers_saves(
+        tmp_path: Path) -> None:
+    """Issue 38 case 3: the forked DataLoader workers died of the SIGTERM meant for their
+    rank, which then crashed ("DataLoader worker ... is killed by signal: Terminated") before
+    its boundary: nothing saved, and the launcher still exited 143. Now the workers outlive it
+    until the save; a stop that saved nothing would exit 1. Each stop resumes exactly."""
+    run = tmp_path / "run"
+    saved = []
+    for signal_to in ("launcher", "job"):
+        status, latest, err = _stopped(run, signal_to, saved[-1] if saved else "")
+        assert status == 143, (signal_to, err[-3000:])
+        assert "is killed by signal" not in err, (signal_to, err[-3000:])
+        assert (f"rank 0 pre-empted; saved {run / latest}" in err
+                and f"rank 1 pre-empted; saved {run / latest}" in err), (signal_to, err[-3000:])
+        assert (f"accumix launch: stopped by SIGTERM; every rank saved {run / latest} (exit "
+                "status 143): run the same command again to resume") in err, err[-3000:]
+        saved.append(latest)
+    assert int(saved[1][5:]) > int(saved[0][5:]) >= 2, saved
+    # Resume to the end; the same processes then train the job uninterrupted (the reference).
+    done = _launch(run, "--workers", "2", "--reference", str(tmp_path / "ref"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run / "events.txt").read_text().splitlines() == [
+        "attempt 0 resumed -", f"attempt 0 resumed {saved[0]}", f"attempt 0 resumed {saved[1]}",
+        "attempt 0 finished at step 8"]
+    expected, got = load_file(str(tmp_path / "ref" / "model.safetensors")), _final(run)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name

@@ -1,8 +1,8 @@
-"""Issue 15 on 2 ranks with ddp (gloo): the GAN orders, two models' own item counts and an
-LBFGS closure equal plain PyTorch on the gathered batch; fp16 item mode's first window does
-not overflow. Issue 20: overlapping optimizers (ddp), a model unused on the boundary micro-step
-(reduced once on ddp and zero1, refused on fsdp unless a zero loss reaches it there) and
-stepping after the block (ddp). Two forwards then two backward calls through one model in a
+"""Issue 15 on 2 ranks with ddp (gloo): the GAN orders, two models' own item counts and an LBFGS
+closure (on fsdp too) equal plain PyTorch on the gathered batch; fp16 item mode's first window
+does not overflow. Issue 20: overlapping optimizers (ddp), a model unused on the boundary
+micro-step (reduced once on ddp and zero1, refused on fsdp unless a zero loss reaches it there)
+and stepping after the block (ddp). Two forwards then two backward calls through one model in a
 micro-step (the GAN's D on real and fake; one model on two batches) on ddp and zero1, K=1 and
 K=2 with a short last window, both orders, both modes. One spawned job runs them all."""
 
@@ -34,6 +34,14 @@ def _ddp_checks() -> dict[str, Any]:
     params, losses = mm.lbfgs_accumix(steps=2, strategy="ddp")
     out["lbfgs"] = mm.max_diff(ref_params, params)
     out["lbfgs_losses"] = max(abs(a - b) for a, b in zip(ref_losses, losses, strict=True))
+    # fsdp (issue 38 case 2): LBFGS kept stepping the plain parameters fsdp replaced, saw a
+    # zero gradient and stopped at once (0.35 off after 2 steps); an LBFGS set up after its
+    # model is built over the sharded parameters themselves.
+    for late in (False, True):
+        params, losses = mm.lbfgs_accumix(steps=2, strategy="fsdp", late=late)
+        out[f"lbfgs/fsdp/late={late}"] = mm.max_diff(ref_params, params)
+        out[f"lbfgs/fsdp/late={late}/losses"] = max(
+            abs(a - b) for a, b in zip(ref_losses, losses, strict=True))
     # fp16 item mode's first window (ranks with 64 and 48 items): no step skipped
     out["fp16_items_skipped"] = float(sum(mm.fp16_item_run(items=True, strategy="ddp")[0]))
     out.update(_issue20_checks(world))

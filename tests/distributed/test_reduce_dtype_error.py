@@ -7,6 +7,8 @@
   since the window is summed in float32 and rounds to bf16 once per step. Also measured against
   the training's own movement (``update``), the stricter ratio: weights move little in 10 steps.
   hsdp (bf16, K = 1 and 16) too.
+* fp16 on the wire with ``(loss_sum, num_items)``: no step skipped where the same loss as a
+  mean skips none, the same weights (ddp, fsdp, hsdp; issue 38).
 * hsdp: the default reduction bitwise the code's before (``tests/golden``); bf16 halves the
   bytes inside a node and across nodes; its result equals plain PyTorch bit for bit: each
   micro-step reduce-scattered inside the node in bf16, the partial shards summed in float32,
@@ -76,7 +78,11 @@ def job() -> dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore")
-    out: dict[str, Any] = {"hsdp": _hsdp()}
+    out: dict[str, Any] = {"hsdp": _hsdp(), "fp16 items": {}}
+    mean = rj.fp16_wire_windows("ddp", items=False)  # every micro-batch has 16 items
+    for word in ("ddp", "fsdp", "hsdp"):
+        items = rj.fp16_wire_windows(word, items=True)
+        out["fp16 items"][word] = (mean[0], items[0], items[1], rj.max_diff(mean[2], items[2]))
     for word, dtype, k in CASES:
         out[f"{word}-{dtype}-{k}"] = reduction_error_job(
             word, reduce_dtype=dtype, precision="fp32", grad_accum_steps=k)
@@ -89,6 +95,13 @@ def test_reduction_error_and_hsdp_on_two_nodes(tmp_path_factory: pytest.TempPath
 
     ranks = [r["reduce"] for r in hsdp_jobs.results(tmp_path_factory)[0]]  # test_hsdp's spawn
     runs = ranks[0]
+    # Issue 38 case 5: (loss_sum, num_items) on an fp16 wire carried K times mean mode's
+    # gradient: (skipped mean, skipped items, items' final scale, params apart from ddp's mean
+    # run) were (0, 3, 16384.0, 0.0165) on every strategy; now ddp's equal bitwise, fsdp's and
+    # hsdp's within their own fp16 rounding (9.8e-6: each rank's share rounded before the sum).
+    for word, (mean, items, scale, apart) in runs.pop("fp16 items").items():
+        assert (mean, items, scale) == (0, 0, 65536.0), (word, mean, items, scale)
+        assert apart == 0.0 if word == "ddp" else apart < 1e-4, (word, apart)
     for name, run in runs.items():
         assert name == "hsdp" or run["steps"] == 10, (name, run)
     for k in (1, 16):

@@ -130,6 +130,9 @@ def main() -> None:
     parser.add_argument("--hang-in-write", type=int)
     parser.add_argument("--kill-in-write", type=int)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--workers", type=int, default=0, help="the loader's num_workers")
+    parser.add_argument("--slow", type=float, default=0.0,
+                        help="seconds each micro-step sleeps (time for a signal to land)")
     parser.add_argument("--reference", help="then train uninterrupted, write it here")
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
@@ -139,7 +142,7 @@ def main() -> None:
 
     acc = ax.Accelerator(strategy=args.strategy, precision="fp32", grad_accum_steps=STEPS,
                          seed=0, timeout=args.timeout)
-    objects = build(acc)
+    objects = build(acc, num_workers=args.workers)
     acc.handle_preemption(run_dir)
     resumed = acc.load_state(run_dir).name if latest_checkpoint(run_dir) else "-"
     event(run_dir, acc, f"attempt {attempt} resumed {resumed}")
@@ -149,6 +152,7 @@ def main() -> None:
         time.sleep(3600)
 
     def hurt(acc: ax.Accelerator) -> None:
+        time.sleep(args.slow)
         step = acc.optimizer_steps
         if acc.rank != 1:
             return

@@ -79,7 +79,8 @@ def test_boundary_factor_item_mode_and_fp16_hint() -> None:
     assert win.items_hint == 20.0  # next window's losses are divided by the mean count
     win.end()
     win.begin()
-    assert win.loss_multiplier(5) == 1 / 20.0
+    # and by K (issue 38: the window's sum is about its mean, as in mean mode)
+    assert win.loss_multiplier(5) == 1 / (20.0 * 2)
 
 
 def test_mixing_modes_in_a_window_is_an_error() -> None:

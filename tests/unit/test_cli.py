@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -243,3 +244,45 @@ def test_launch_exits_2_when_the_ranks_failed_with_a_config_error(
     monkeypatch.setattr(torchrun, "run", failing)
     assert run_torchrun(plan_launch(nproc=2), "job.py", []) == status
     assert ("accumix launch: rank" in capsys.readouterr().out) == (status == 1)
+
+
+@pytest.mark.parametrize("ranks,status,line", [
+    ({}, 143, "stopped by SIGTERM, forwarded to every rank (exit status 143)"),  # no handler
+    ({0: "saved", 1: "saved"}, 143, "stopped by SIGTERM; every rank saved /run/step-3 (exit "
+     "status 143): run the same command again to resume"),
+    # issue 38: a rank crashed before its boundary (its DataLoader workers killed): was 143
+    ({0: "saved", 1: "armed"}, 1, "stopped by SIGTERM, but rank(s) 1 ended without saving "
+     "(their output is above): this stop left no checkpoint (exit status 1)"),
+    ({0: "closed", 1: "closed"}, 143, "forwarded to every rank (exit status 143)"),
+    ({0: "saved before a restart", 1: "saved before a restart"}, 1, "rank(s) 0, 1 ended "
+     "without saving"),
+])
+def test_launch_signalled_exits_143_only_when_every_rank_saved(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], ranks, status, line
+) -> None:
+    """The ranks' reports (``accumix.common.preemption_report``) written under the directory
+    the launcher names, then torchrun's agent raising the signal it got."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from accumix.cli.launch import plan_launch, run_torchrun
+    from accumix.common import preemption_report as report
+
+    def signalled(_args: object) -> None:
+        for rank, what in ranks.items():
+            if what == "saved before a restart":
+                report.note_armed(rank)
+                report.note_saved(rank, "/run/step-2")
+                monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+            report.note_armed(rank)
+            if what == "saved":
+                report.note_saved(rank, "/run/step-3")
+            if what == "closed":
+                report.note_disarmed(rank)
+            monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+        raise SignalException("", signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun, "run", signalled)
+    assert run_torchrun(plan_launch(nproc=2), "job.py", []) == status
+    assert line in capsys.readouterr().err
+    assert report.ENV not in os.environ

@@ -172,5 +172,8 @@ def test_the_refusal_under_deepspeed_says_what_the_readme_says() -> None:
     with pytest.raises(ax.ConfigError) as adafactor:
         check_deepspeed(torch.optim.Adafactor(params), False)
     assert "use strategy='zero1' or 'ddp', where Adafactor is exact" in str(adafactor.value)
+    with pytest.raises(ax.ConfigError) as lbfgs:  # exact under fsdp too since issue 38
+        check_deepspeed(torch.optim.LBFGS(params), False)
+    assert "use strategy='ddp' or 'fsdp', where LBFGS is exact" in str(lbfgs.value)
     check_deepspeed(torch.optim.SGD(params, lr=0.1), False)  # element-wise: accepted
     check_deepspeed(Custom(params), True)  # the user's config accepts the difference

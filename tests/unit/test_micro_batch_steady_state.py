@@ -67,9 +67,11 @@ def _choose_then_train(width: int, optimizer: type[torch.optim.Optimizer], limit
 # (activation width, optimizer, limit in MB) -> the choice; before: the probe held no states
 # and no accumulated gradients while a micro-step's activations were alive (AdamW at 200 MB
 # chose 12, whose run peaked at 212.6 MB), and it counted its own 16.8 MB copy of the
-# parameters (AdamW at 150 MB and SGD at 60 MB: "not even a micro-batch of 1 fits", where 4 and
-# 24 run at 128.6 and 52.2 MB). SGD at 60 MB: only 24 fits (K=1 holds no accumulator).
-CASES = [(256, torch.optim.AdamW, 200, 8), (256, torch.optim.AdamW, 150, 4),
+# parameters (AdamW at 150 MB and SGD at 60 MB: "not even a micro-batch of 1 fits"). SGD at
+# 60 MB: only 24 fits (K=1 holds no accumulator). Issue 38: the meter counted a parameter's
+# in-place update (AdamW's weight decay) as new memory: AdamW at 150 MB chose 4 (probe 128.6
+# MB), where 6 runs at 132.3 MB; SGD's 24 ran at 52.2 MB by that count, 34.9 really.
+CASES = [(256, torch.optim.AdamW, 200, 8), (256, torch.optim.AdamW, 150, 6),
          (16, torch.optim.SGD, 60, 24)]
 
 
@@ -90,9 +92,42 @@ def test_the_next_size_up_does_not_fit() -> None:
     acc = ax.Accelerator(global_batch_size=GLOBAL, micro_batch_size="auto", precision="fp32")
     net = Dense(256)
     model, _ = acc.setup(net, torch.optim.AdamW(net.parameters()))
-    for size, limit_mb in ((12, 200), (6, 150)):
+    for size, limit_mb in ((12, 200), (8, 150)):
         meter = measure(acc._run, model, lambda n: torch.randn(n, 64), size)
         assert meter is not None and meter.peak > 0.9 * limit_mb * MB, (size, meter.peak)
+
+
+def test_the_steady_state_optimizer_step_is_counted_as_memory_it_allocates() -> None:
+    """Issue 38 case 6: Linear(1024) layers, AdamW, 8 samples a step (1 or 2 windows a step).
+    A run's steady-state step seemed to peak over the limit, above the probe: the meter counted
+    each in-place update of a parameter or a state that existed before it (``mul_``,
+    ``lerp_``) as a new allocation (3x the parameters' bytes that never were; with 8 layers
+    and 240 MB: 244 MB against a probe of 177 MB, where the process's resident memory grew by
+    8 MB in that step: ``test_micro_batch_auto``'s RSS test). The probe already steps a copy of
+    the optimizer a second time with its states alive: its answer is the run's peak on every
+    micro-step."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+    acc = ax.Accelerator(global_batch_size=8, micro_batch_size="auto", memory_limit=120 * MB,
+                         precision="fp32")
+    model, opt = acc.setup(net, torch.optim.AdamW(net.parameters()))
+    acc.find_micro_batch_size(lambda x: model(x).square().mean(), lambda n: torch.randn(n, 1024))
+    choice = acc.micro_batch_choice
+    loader = acc.setup(DataLoader(TensorDataset(torch.randn(24, 1024)), batch_size=8))
+    peaks = []
+    for (x,) in loader:
+        meter = PeakMeter(acc.device)
+        with meter.measure():
+            with acc.accumulate():
+                acc.backward(model(x).square().mean())
+                opt.step()
+                opt.zero_grad()
+        peaks.append(meter.peak)
+    assert acc.optimizer_steps == 3
+    print(f"chose {choice.micro_batch_size}, probe {choice.peak_bytes / MB:.1f} MB, micro-steps "
+          f"{[round(p / MB, 1) for p in peaks]} MB")
+    assert max(peaks) <= 0.9 * 120 * MB
+    assert abs(max(peaks) / choice.peak_bytes - 1) < 0.02, (choice.peak_bytes, peaks)
 
 
 class Normed(nn.Module):

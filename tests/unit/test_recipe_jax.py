@@ -160,7 +160,7 @@ def test_sigterm_saves_at_the_next_read_and_exits_143(tmp_path, capsys) -> None:
     class Signal(Callback):
         def on_optimizer_step(self, trainer, metrics):
             if metrics.step == 3:
-                trainer.steps._on_signal(15, None)
+                trainer.steps._watch._on_signal(15, None)
 
     original = JaxSteps.__init__
 

@@ -21,10 +21,12 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from accumix.common import preemption_report
 from accumix.common.launch_env import is_loopback
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
 from accumix.runtime.env import first_host
@@ -224,8 +226,10 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
         0 when every rank succeeded; 2 when the ranks failed with a usage or config error
         (status 2, their one-line message already printed); 143 (128 + the signal) when this
         launcher got SIGTERM (or SIGINT, ...), which it forwarded to the ranks (they have
-        torchrun's ``--shutdown-timeout``, 30 s, to save and exit), or when every rank that
-        failed exited 143 (the Trainer's pre-emption save-and-stop); 1 for any other failure.
+        torchrun's ``--shutdown-timeout``, 30 s, to save and exit), unless a rank that armed
+        a pre-emption handler ended without saving (then 1: ``signalled_status``), or when
+        every rank that failed exited 143 (the Trainer's pre-emption save-and-stop); 1 for
+        any other failure.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -239,24 +243,67 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
     for name in [n for n in logging.root.manager.loggerDict
                  if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
         logging.getLogger(name).setLevel(logging.ERROR)
+    reports: list[preemption_report.Report] = []
     try:
         # On loopback the store, gloo and NCCL listen there only (runtime/loopback.py).
-        with jax_coordinator_port(plan), loopback_launch(
+        with jax_coordinator_port(plan), preemption_reports(reports), loopback_launch(
                 plan.master_addr, plan.master_port, hosts_store=plan.node_rank == 0):
             run(parse_args(torchrun_args(plan, target, target_args, module=module)))
     except SignalException as exc:
         # torchrun's agent turned the signal into this exception after it forwarded the signal
         # to every rank and waited for them: no traceback, the status a scheduler reads.
-        name = signal.Signals(exc.sigval).name
-        print(f"accumix launch: stopped by {name}, forwarded to every rank (exit status "
-              f"{128 + exc.sigval})", file=sys.stderr, flush=True)
-        return 128 + int(exc.sigval)
+        status, line = signalled_status(int(exc.sigval), plan.nproc,
+                                        reports[-1] if reports else preemption_report.Report())
+        print(line, file=sys.stderr, flush=True)
+        return status
     except ChildFailedError as exc:
         status, line = failure_status(exc.failures)
         if line:
             print(line, flush=True)
         return status
     return 0
+
+
+@contextlib.contextmanager
+def preemption_reports(reports: list[preemption_report.Report]) -> Iterator[None]:
+    """Names a directory to the ranks for their pre-emption reports (``preemption_report``)
+    while they run, then appends what they wrote to ``reports``."""
+    previous = os.environ.get(preemption_report.ENV)
+    with tempfile.TemporaryDirectory(prefix="accumix-launch-") as directory:
+        os.environ[preemption_report.ENV] = directory
+        try:
+            yield
+        finally:
+            reports.append(preemption_report.read(directory))
+            if previous is None:
+                del os.environ[preemption_report.ENV]
+            else:
+                os.environ[preemption_report.ENV] = previous
+
+
+def signalled_status(signum: int, nproc: int, report: preemption_report.Report
+                     ) -> tuple[int, str]:
+    """The launch's exit status and line when the launcher itself got ``signum``.
+
+    128 + ``signum`` (143 for SIGTERM: pre-empted, to be requeued) when every rank of this
+    node saved on it, or when no rank armed a pre-emption handler (the script saves nothing on
+    a signal: it stopped as any program does); 1 when a rank armed one and ended without
+    saving (it crashed before its boundary): the status must not claim a checkpoint that was
+    never written.
+    """
+    name = signal.Signals(signum).name
+    status = 128 + signum
+    if len(report.saved) >= nproc:
+        checkpoint = report.saved[min(report.saved)]
+        return status, (f"accumix launch: stopped by {name}; every rank saved {checkpoint} "
+                        f"(exit status {status}): run the same command again to resume")
+    unsaved = sorted(report.armed - report.saved.keys())
+    if not unsaved:
+        return status, (f"accumix launch: stopped by {name}, forwarded to every rank (exit "
+                        f"status {status})")
+    ranks = ", ".join(map(str, unsaved))
+    return 1, (f"accumix launch: stopped by {name}, but rank(s) {ranks} ended without saving "
+               "(their output is above): this stop left no checkpoint (exit status 1)")
 
 
 def failure_status(failures: Mapping[int, Any]) -> tuple[int, str]:

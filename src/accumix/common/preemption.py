@@ -125,6 +125,11 @@ class PreemptionWatch:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signalled = True  # only a flag: the save needs every rank at the same boundary
 
+    @property
+    def signalled(self) -> bool:
+        """Whether one of the signals arrived and no save has served it yet."""
+        return self._signalled
+
     def requested(self) -> bool:
         """Whether this process should stop: polls every added check (each call, all of them,
         so that checks which are barriers are called equally often on every rank)."""

@@ -20,6 +20,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from accumix.common.worker_signals import with_guard
 from accumix.data.batch_place import BatchPlace, strided_place
 from accumix.data.sample_seeds import EpochSeedTagged, SeededCollate, SeededDataset, draws_nothing
 from accumix.errors import ConfigError
@@ -110,7 +111,9 @@ def _loader_kwargs(loader: DataLoader, *, sampler: Any, collate_fn: Any, batch_s
         "pin_memory": loader.pin_memory,
         "drop_last": loader.drop_last,
         "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
+        # Workers that outlive a pre-emption signal meant for their rank (worker_signals).
+        "worker_init_fn": with_guard(loader.worker_init_fn) if loader.num_workers > 0
+        else loader.worker_init_fn,
         "generator": loader.generator,
         "persistent_workers": loader.persistent_workers,
         "pin_memory_device": loader.pin_memory_device,

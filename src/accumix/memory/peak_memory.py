@@ -34,10 +34,15 @@ from accumix.common.hardware import host_memory_bytes
 
 
 class _StorageGrowth(TorchDispatchMode):
-    """Counts the bytes of CPU storages created under it that are still alive, and their peak."""
+    """Counts the bytes of CPU storages created under it that are still alive, and their peak.
 
-    def __init__(self) -> None:
+    Args:
+        existing: the addresses of the storages alive when it began (counted before).
+    """
+
+    def __init__(self, existing: Iterable[int] = ()) -> None:
         super().__init__()
+        self.existing = set(existing)
         self.live = 0
         self.peak = 0
         self._alive: dict[int, int] = {}  # data_ptr -> bytes, storages created here, alive
@@ -46,12 +51,21 @@ class _StorageGrowth(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
+        # An in-place result or a view of a storage alive before the measurement (a
+        # parameter's ``mul_``, an optimizer state's ``lerp_``) is nothing new; it was counted
+        # as new since it was not created here: the steady-state AdamW step counted every
+        # state it updates again (2.2x the parameters' bytes on CPU, where the process grew
+        # by 0.25x; issue 38). Only where that storage is an input of the op: a storage that
+        # FSDP2 re-allocated outside the dispatcher (``resize_``) and an ``out=`` op fills has
+        # a new address, and counts when that op returns it.
+        inputs = {ptr for leaf in tree_leaves((args, kwargs))
+                  if (ptr := _storage_ptr(leaf)) in self.existing}
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                self._track(leaf)
+                self._track(leaf, inputs)
         return out
 
-    def _track(self, tensor: torch.Tensor) -> None:
+    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         if hasattr(tensor, "to_local"):  # a DTensor: its shard holds the memory
             tensor = tensor.to_local()
         try:
@@ -59,7 +73,7 @@ class _StorageGrowth(TorchDispatchMode):
             size, ptr = storage.nbytes(), storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
             return
-        if not size or ptr in self._alive:  # a view or an in-place result: nothing new
+        if not size or ptr in self._alive or ptr in inputs:  # a view or an in-place result
             return
         self._alive[ptr] = size
         self.live += size
@@ -73,8 +87,25 @@ class _StorageGrowth(TorchDispatchMode):
         self.live -= size
 
 
+def _storage_ptr(leaf: Any) -> int | None:
+    """The address of a CPU tensor's storage (a DTensor's shard's), else None."""
+    if not isinstance(leaf, torch.Tensor) or leaf.device.type != "cpu":
+        return None
+    if hasattr(leaf, "to_local"):
+        leaf = leaf.to_local()
+    try:
+        return leaf.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def live_cpu_tensor_bytes() -> int:
     """The bytes of every CPU tensor storage alive in this process (each storage once)."""
+    return sum(live_cpu_storages().values())
+
+
+def live_cpu_storages() -> dict[int, int]:
+    """Every CPU tensor storage alive in this process: its address -> its bytes."""
     seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance on deprecated lazy module attributes warns
         warnings.simplefilter("ignore")
@@ -87,7 +118,7 @@ def live_cpu_tensor_bytes() -> int:
                 seen[storage.data_ptr()] = storage.nbytes()
             except (RuntimeError, NotImplementedError, ReferenceError):
                 continue  # a freed storage (FSDP resizes its buffers to 0), a subclass
-    return sum(seen.values())
+    return seen
 
 
 class PeakMeter:
@@ -118,8 +149,9 @@ class PeakMeter:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self.excluded
             self.growth = self.peak + self.excluded - before
             return
-        before = live_cpu_tensor_bytes()
-        mode = _StorageGrowth()
+        existing = live_cpu_storages()
+        before = sum(existing.values())
+        mode = _StorageGrowth(existing)
         try:
             with mode:
                 yield

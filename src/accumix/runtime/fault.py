@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from accumix.common import preemption_report, worker_signals
 from accumix.common.locations import location
 from accumix.common.preemption import PreemptionWatch
 from accumix.errors import ConfigError
@@ -324,6 +325,13 @@ class PreemptionHandler:
         # Off the main thread (Ray Train's worker thread) no handler can be installed: the
         # watch then serves request_preemption() and the added checks only.
         self._watch = PreemptionWatch(signals, rank=run.rank)
+        self._armed = tuple(signals) if self._watch.on_main_thread else ()
+        self._agreed_stop = False
+        # The DataLoader workers this rank starts from now on outlive these signals when
+        # someone else sends them (the agent's killpg, the scheduler's): the save needs them.
+        worker_signals.guard(self._armed)
+        if self._armed:
+            preemption_report.note_armed(run.rank)
 
     def at_batch(self) -> None:
         """Between batches: once per finished window, the ranks agree whether to stop."""
@@ -342,6 +350,7 @@ class PreemptionHandler:
         if not self._agreed("the pre-emption check of acc.end()"):
             return False
         if self._run.window.micro_step:  # a checkpoint cannot hold half a window
+            self._agreed_stop = True  # the launcher hears that this stop saved nothing
             self.close()
             print(f"accumix: rank {self._run.rank} pre-empted inside an accumulation window at "
                   f"acc.end(); nothing saved", file=sys.stderr, flush=True)
@@ -357,6 +366,7 @@ class PreemptionHandler:
         self.checkpoint = self._save_state(self.run_dir, self.keep_last)
         self.triggered = True
         self._watch.served()
+        preemption_report.note_saved(self._run.rank, str(self.checkpoint))
         self.close()
         # one write: the ranks share the terminal, and print's separate newline interleaves
         sys.stderr.write(f"accumix: rank {self._run.rank} pre-empted; saved {self.checkpoint}\n")
@@ -365,7 +375,13 @@ class PreemptionHandler:
 
     def close(self) -> None:
         """Restores the signal handlers that were there before; the Accelerator stops asking
-        this handler at boundaries (no more agreement collectives)."""
+        this handler at boundaries (no more agreement collectives). Closed before any signal
+        (a replaced handler, ``acc.end()``), it tells the launcher it is no longer armed."""
+        signalled = self._watch.signalled
         self._watch.close()
+        worker_signals.release(self._armed)
+        if self._armed and not (signalled or self._agreed_stop or self.triggered):
+            preemption_report.note_disarmed(self._run.rank)
+        self._armed = ()
         if self._run.preemption is self:
             self._run.preemption = None

@@ -43,10 +43,13 @@ class AccumulationWindow:
         self.mode: str | None = None  # "mean" | "items", fixed per window
         self.num_items: Number | torch.Tensor = 0
         # Item mode under fp16: the loss is divided by the last window's mean item count per
-        # backward so a summed loss does not overflow fp16; undone exactly at the boundary.
-        # ``items_hint`` is the next window's (0: no count seen yet, then the first backward's
-        # count is used: issue 15 item 8); ``window_hint`` stays fixed within a window, since
-        # every backward and every finalize of the window must use the same one.
+        # backward and by K, so a summed loss does not overflow fp16 and the window's sum is
+        # about its mean, as in mean mode (divided by the count alone, the window carried K
+        # times mean mode's gradient to a 16-bit wire: K=4 skipped 3 of 10 steps where mean
+        # mode skipped none, issue 38); undone exactly at the boundary. ``items_hint`` is the
+        # next window's count per backward (0: no count seen yet, then the first backward's
+        # count is used: issue 15 item 8); ``window_hint`` (with K) stays fixed within a
+        # window, since every backward and every finalize of the window must use the same one.
         self.items_hint = 0.0
         self.window_hint = 1.0
 
@@ -56,7 +59,7 @@ class AccumulationWindow:
             self.index += 1
             self.mode = None
             self.num_items = 0
-            self.window_hint = self.items_hint or 1.0
+            self.window_hint = self._hint_of_window()
         self.micro_step += 1
         self.size = self.micro_step
         self.is_boundary = self.micro_step >= self.grad_accum_steps or self.end_of_data
@@ -88,7 +91,7 @@ class AccumulationWindow:
         self.num_items = (torch.tensor(items, dtype=torch.float64)
                           if state["num_items_is_tensor"] else items)
         self.items_hint = float(state["items_hint"])
-        self.window_hint = self.items_hint or 1.0
+        self.window_hint = self._hint_of_window()
         self.is_boundary, self.end_of_data = bool(state["is_boundary"]), False
 
     def needs_first_hint(self, num_items: Number | torch.Tensor | None, dynamic_scale: bool
@@ -99,7 +102,13 @@ class AccumulationWindow:
 
     def set_first_hint(self, items: float) -> None:
         """The first window's hint (the same on every rank: the caller agrees it)."""
-        self.items_hint = self.window_hint = max(float(items), 1.0)
+        self.items_hint = max(float(items), 1.0)
+        self.window_hint = self._hint_of_window()
+
+    def _hint_of_window(self) -> float:
+        """What every item-weighted loss of a window is divided by: the count per backward
+        times K under fp16 (``items_hint``), else 1 (nothing to keep from overflowing)."""
+        return self.items_hint * self.grad_accum_steps if self.items_hint else 1.0
 
     def loss_multiplier(self, num_items: Number | torch.Tensor | None) -> float:
         """Records one backward; returns what its loss is multiplied by before the loss scale."""

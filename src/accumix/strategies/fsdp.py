@@ -30,6 +30,7 @@ from accumix.strategies.base import Strategy, grad_mark
 from accumix.strategies.fsdp_reduce import NarrowedReduction
 from accumix.strategies.memory_format import make_parameters_contiguous_
 from accumix.strategies.norm_layers import agree_buffers_after_forward, float32_norm_units
+from accumix.strategies.sharded_lbfgs import adapt_lbfgs
 
 SHARDINGS = ("full", "grad_op")
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
@@ -187,7 +188,12 @@ class FSDPStrategy(Strategy):
         new_params = dict(model.named_parameters())
         for optimizer in optimizers:
             _repoint(optimizer, names, new_params)
+            adapt_lbfgs(optimizer)
         return model, optimizers
+
+    def setup_late_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """An optimizer built over the sharded parameters: L-BFGS made exact over them."""
+        return adapt_lbfgs(optimizer) if self._distributed else optimizer
 
     def device_mesh(self) -> DeviceMesh:
         """The mesh ``fully_shard`` shards over (collective): every rank in one dimension. A
@@ -398,7 +404,10 @@ def _repoint(optimizer: Optimizer, names: dict[int, str], params: dict[str, nn.P
         if missing:
             raise ConfigError(f"{type(optimizer).__name__} holds {len(missing)} parameter(s) "
                               "that are not the model's; build it over model.parameters()")
-        group["params"] = [params[names[id(p)]] for p in group["params"]]
+        # In place: an optimizer may hold the list itself (LBFGS's ``_params`` is its first
+        # group's list), and a new list left it stepping the replaced plain parameters, whose
+        # gradients never come (LBFGS then saw a zero gradient and stopped at once).
+        group["params"][:] = [params[names[id(p)]] for p in group["params"]]
 
 
 def _checkpoint_forward(module: nn.Module) -> None:

@@ -129,6 +129,31 @@ class HSDPStrategy(FSDPStrategy):
         return stack
 
     @override
+    def backward(self, loss: torch.Tensor, model: nn.Module | None) -> None:
+        # A unit the window's earlier micro-steps reached holds their reduce-scattered shard
+        # in FSDP2's partial accumulator, which only the unit's own post-backward with the
+        # all-reduce on adds and sends across nodes; a boundary backward that does not reach
+        # the unit (LayerDrop, an MoE expert no token picked, a skipped branch) runs that
+        # post-backward with no gradient and returns early, so the shard was never
+        # all-reduced nor stepped (and leaked into the next window). FSDP2's
+        # ``reduce_scatter_unused_params`` makes it reduce-scatter zeros for such a unit's
+        # parameters, to which the partial shard is added and all-reduced as usual: only
+        # units holding a partial shard get it (a parameter unused in the whole window keeps
+        # no gradient, as on one process). Every rank holds the same partials (the
+        # off-boundary reduce-scatters are collectives), so every rank joins the same ones.
+        pending = [group for units in self._units.values() for unit in units
+                   for group in unit._get_fsdp_state()._fsdp_param_groups
+                   if group.all_reduce_grads and group._partial_reduce_output is not None
+                   and not group.reduce_scatter_unused_params]
+        for group in pending:
+            group.reduce_scatter_unused_params = True
+        try:
+            super().backward(loss, model)
+        finally:
+            for group in pending:
+                group.reduce_scatter_unused_params = False
+
+    @override
     def effective_dtypes(self) -> EffectiveDtypes:
         """fsdp's, and where the intra-node reduce-scatter runs every micro-step (the
         default), said so: its shards are summed in float32 and the cross-node all-reduce

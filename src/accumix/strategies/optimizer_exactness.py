@@ -8,7 +8,8 @@ clip inside the optimizer, timm's ``Lamb(max_grad_norm=...)``; L-BFGS) sees only
 share. DeepSpeed flattens the parameters into partitions cut anywhere: only element-wise
 updates are unchanged (its ``zero_allow_untested_optimizer`` lets anything else run on the
 slices). ddp and single step whole parameters; fsdp steps DTensor shards, whose norms reduce
-over the mesh (timm's Lamb is exact there; torch's Adafactor fails inside DTensor).
+over the mesh (timm's Lamb is exact there; torch's Adafactor fails inside DTensor), and
+L-BFGS is made exact over them (``sharded_lbfgs``: its flat vectors are gathered whole).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def check_deepspeed(optimizer: Optimizer, user_allows_untested: bool) -> None:
         return
     name = type(optimizer).__name__
     if reads_across_parameters(optimizer):
-        where = f"strategy='ddp', where {name} is exact"
+        where = f"strategy='ddp' or 'fsdp', where {name} is exact"
     elif is_per_parameter(optimizer):
         where = f"strategy='zero1' or 'ddp', where {name} is exact"
     else:  # zero1 runs it unchecked: it is exact there only if it reads its own parameter

@@ -5,6 +5,14 @@ submissions of one config) interleave checkpoints, ``latest``, ``metrics.csv`` a
 run. The Trainer's main process holds the lock from the start of ``fit`` to its end; the kernel
 drops it when that process dies, however it dies, so a killed job never leaves a stale lock
 (the file stays, holding the last holder's pid for the message).
+
+A ``flock`` belongs to the open file, which a ``fork`` shares: the lock lived on in forked
+DataLoader workers after a SIGKILL of the main process until they noticed (about 5 s), and a
+restart meanwhile was refused naming the dead pid (issue 38). ``O_CLOEXEC`` does not reach a
+fork without exec, and an ``F_SETLK`` record lock would not refuse a second job in the same
+process; so a forked child closes its copies of the held descriptors at once
+(``os.register_at_fork``). Closing a copy never releases the lock (an explicit unlock would:
+the child never unlocks), and the parent's descriptor alone keeps it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,20 @@ from accumix.errors import ConfigError
 log = logging.getLogger("accumix")
 
 LOCK_FILE = ".lock"
+_held_fds: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _close_held_in_child() -> None:
+    for fd in _held_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunDirLock:
@@ -34,6 +56,7 @@ class RunDirLock:
             return
         import fcntl
 
+        _held_fds.discard(self._fd)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = -1
@@ -75,6 +98,7 @@ def lock_run_dir(run_dir: Path) -> RunDirLock | None:
         return None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _held_fds.add(fd)
     return RunDirLock(path, fd)
 
 
