@@ -28,6 +28,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # refuses more processes than cores unless told (tests/unit/test_security_config.py checks it).
 os.environ.setdefault("ACCUMIX_OVERSUBSCRIBE", "1")
 
+# A cluster engine's variables (the suite run inside a Kubernetes pod or on a SkyPilot node)
+# would make every launch and every spawned rank join the engine's job: the tests that want
+# them set them.
+for _name in [n for n in os.environ if n.startswith(("PET_", "SKYPILOT_")) or n in (
+        "KUBERNETES_SERVICE_HOST", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+        "JAX_COORDINATOR_ADDRESS")]:
+    del os.environ[_name]
+
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402

@@ -411,7 +411,8 @@ class Accelerator(RunView, Collectives):
         self,
         run_dir: str | os.PathLike[str],
         *,
-        signals: tuple[int, ...] = (signal.SIGTERM,),
+        signals: tuple[int | str, ...] = (signal.SIGTERM,),
+        requeue: bool = False,
         keep_last: int | None = None,
         exit: bool = True,
         save: Callable[[], Any] | None = None,
@@ -424,7 +425,9 @@ class Accelerator(RunView, Collectives):
 
         Args:
             run_dir: where ``save_state`` writes.
-            signals: the signals that mean "stop soon" (add ``signal.SIGINT`` for Ctrl-C).
+            signals: the signals that mean "stop soon", numbers or names (add ``SIGINT`` for
+                Ctrl-C; ``SIGUSR1`` for ``sbatch --signal=USR1@90``).
+            requeue: after the save is published, rank 0 runs ``scontrol requeue`` (SLURM).
             keep_last: passed to ``save_state``.
             exit: raise ``SystemExit(0)`` after the save; False only sets the returned
                 handler's ``triggered`` (the loop then breaks itself).
@@ -437,7 +440,7 @@ class Accelerator(RunView, Collectives):
             The handler (``triggered``, ``checkpoint``).
         """
         return lifecycle.handle_preemption(
-            self._run, run_dir, signals=signals, keep_last=keep_last, exit=exit,
+            self._run, run_dir, signals=signals, requeue=requeue, keep_last=keep_last, exit=exit,
             save=(lambda directory, keep: save()) if save is not None
             else lambda directory, keep: self.save_state(directory, keep_last=keep))
 

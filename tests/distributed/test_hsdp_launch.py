@@ -1,7 +1,8 @@
-"""hsdp under two ``accumix launch --nnodes 2 --nproc 2`` launchers on loopback (4 ranks as 2
-nodes of 2): the bytes crossing nodes per optimizer step are one all-reduce of a gradient
-shard (at most 0.6x the model's fp32 bytes) whatever K, in both gradient modes, where fsdp's
-grow with K; every run equals the one-process large batch (``tests/scripts/hsdp_traffic.py``).
+"""hsdp under two ``accumix launch`` launchers on loopback that read a cluster engine's
+variables (Kubeflow's ``PET_*``): 4 ranks as 2 nodes of 2; the
+bytes crossing nodes per optimizer step are one all-reduce of a gradient shard (at most 0.6x
+the model's fp32 bytes) whatever K, in both gradient modes, where fsdp's grow with K; every run
+equals the one-process large batch (``tests/scripts/hsdp_traffic.py``).
 """
 
 from __future__ import annotations
@@ -19,21 +20,31 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "hsdp_traffic.py"
 
 
 def test_two_launchers_cross_nodes_once_per_step(tmp_path: Path) -> None:
+    # Issue 39: the launchers are given no node flags, only the variables of a Kubeflow
+    # TrainJob's pods (PET_*; SkyPilot's on two launchers: test_launch.py). Before, each
+    # launcher passed --nnodes=1 and each node trained alone.
     port = str(free_port())
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                         "OMP_NUM_THREADS")}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[2]), env.get("PYTHONPATH", "")])
+    engines = [({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "PET_NNODES": "2",
+                 "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(node),
+                 "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}, [])
+               for node in (0, 1)]
     agents = [
-        subprocess.Popen([*ACCUMIX, "launch", "--nproc", "2", "--nnodes", "2", "--node-rank",
-                          str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-                          str(SCRIPT), str(tmp_path)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in (0, 1)
+        subprocess.Popen([*ACCUMIX, "launch", *flags, str(SCRIPT), str(tmp_path)],
+                         env={**env, **variables}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for variables, flags in engines
     ]
     outputs = [agent.communicate(timeout=400) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r.pop("launch") for r in ranks] == [
+        {"launcher": name, "nodes": 2, "node": node, "local_world": 2}
+        for node, name in ((0, "kubernetes"), (0, "kubernetes"), (1, "kubernetes"),
+                           (1, "kubernetes"))]
     for rank, runs in enumerate(ranks):
         for name, run in runs.items():
             assert run["diff"] < 1e-6, (rank, name, run)

@@ -3,8 +3,9 @@
 One job trains ddp and fsdp on 2 processes x 2 CPU devices against the one-device large batch
 and saves fsdp's state mid-run (also to the session's S3, in the background), then trains from a
 torch DataLoader sharded per process and saves mid-epoch, then chooses micro_batch_size='auto'
-(the minimum over processes); new processes resume all three bitwise and refuse a run directory
-per process; one process loads the first resharded.
+(the minimum over processes); new processes, started as Kubeflow's JAX runtime starts them
+(``JAX_NUM_PROCESSES``, ...), resume all three bitwise and refuse a run directory per process;
+one process loads the first resharded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from accumix.testing import free_port
 
 pytest.importorskip("jax")
 
@@ -112,10 +115,23 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(
     assert [r["chosen"] for r in _results(tmp_path, "auto")] == [4, 4]
     assert [r["grad_accum_steps"] for r in _results(tmp_path, "auto")] == [4, 4]
 
-    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "resume"], devices=2,
-         extra=s3_env)
+    # Issue 39: the resume runs as Kubeflow's JAX runtime starts it, one process per pod with
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID and JAX_COORDINATOR_ADDRESS (before: each process
+    # silently a world of 1).
+    coordinator = f"127.0.0.1:{free_port()}"
+    pods = [subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(tmp_path), "resume"],
+        env={**_env(2, s3_env), "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+             "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process),
+             "JAX_COORDINATOR_ADDRESS": coordinator},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for process in (0, 1)]
+    outputs = [pod.communicate(timeout=240) for pod in pods]
+    assert [pod.returncode for pod in pods] == [0, 0], outputs
     resumed = _results(tmp_path, "resume")
     assert [(r["loaded_step"], r["bitwise"]) for r in resumed] == [(2, True), (2, True)]
+    assert [(r["process"], r["processes"], r["devices"], r["launcher"]) for r in resumed] == [
+        (0, 2, 4, "kubernetes"), (1, 2, 4, "kubernetes")]
     # Issue 40: the same step saved to S3 in the background resumes bitwise too.
     assert [(r["loaded_step_s3"], r["bitwise_s3"]) for r in resumed] == [(2, True), (2, True)]
     # Issue 40: a run directory per process (no shared disk) is refused in one line, alike.

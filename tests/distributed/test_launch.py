@@ -1,5 +1,6 @@
-"""``accumix launch``: 2 ranks on one node; two single-rank agents (``--nnodes 2``) on loopback
-make one world of 2; a failing rank is named and fails the launch."""
+"""``accumix launch``: 2 ranks on one node; two single-rank agents given SkyPilot's variables on
+loopback make one world of 2; a failing rank is named and fails the launch. Four PyTorchJob-style
+processes (no launcher; the pod is a node) are one world of 4 nodes."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ SCRIPT = textwrap.dedent("""
     out = {"rank": acc.rank, "world": acc.world_size, "sum": total, "args": sys.argv[1:],
            "threads": torch.get_num_threads(), "addr": os.environ["MASTER_ADDR"],
            "gloo_idle": idle, "gloo_states": env.thread_states(env.GLOO_WORKER_THREAD),
+           "launch": [acc.launch.launcher, acc.launch.num_nodes, acc.launch.node_rank,
+                      acc.launch.local_world_size, acc.local_rank],
            "listening": listening, "port": int(os.environ["MASTER_PORT"])}
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{acc.rank}.json"), "w") as f:
         json.dump(out, f)
@@ -69,21 +72,53 @@ def test_launch_two_ranks_on_one_node(tmp_path: Path) -> None:
                for r in results), results
 
 
-def test_two_agents_with_nnodes_2_make_one_world(tmp_path: Path) -> None:
+def test_two_skypilot_nodes_make_one_world(tmp_path: Path) -> None:
+    # Issue 39: two launchers given only SkyPilot's variables (and --master-port: SkyPilot
+    # names no port) are one world of 2 nodes; before, each passed --nnodes=1 and trained
+    # alone. (Kubeflow's PET_* on two launchers: test_hsdp_launch.py; the --nnodes 2 flags:
+    # test_checkpoint_per_node.py.)
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     port = str(free_port())
     agents = [
-        subprocess.Popen([*ACCUMIX, "launch", "--nproc", "1", "--nnodes", "2", "--node-rank",
-                          str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-                          str(script)], env={**_env(), "OUT_DIR": str(tmp_path)},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([*ACCUMIX, "launch", "--nproc", "1", "--master-port", port,
+                          str(script)], env={
+            **_env(), "OUT_DIR": str(tmp_path), "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NODE_RANK": str(node), "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)
     ]
     outputs = [agent.communicate(timeout=120) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     results = _results(tmp_path)
     assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert [r["launch"] for r in results] == [["skypilot", 2, node, 1, 0] for node in (0, 1)]
+
+
+def test_four_pytorchjob_pods_are_four_nodes(tmp_path: Path) -> None:
+    # Issue 39: PyTorchJob's `python train.py` in each pod (RANK, WORLD_SIZE, MASTER_*, no
+    # LOCAL_*) was read as one node of 4 (hsdp, the memory model's shares, "auto" wrong).
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    port = str(free_port())
+    pods = [
+        subprocess.Popen([sys.executable, str(script)], env={
+            **_env(), "OUT_DIR": str(tmp_path), "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+            "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+            # what a recent training-operator adds (checked against what joined)
+            "PET_NNODES": "4", "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": "auto",
+            "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(4)
+    ]
+    outputs = [pod.communicate(timeout=180) for pod in pods]
+    assert [pod.returncode for pod in pods] == [0] * 4, outputs
+    results = _results(tmp_path)
+    assert [(r["rank"], r["world"], r["sum"]) for r in results] == [
+        (rank, 4, 10.0) for rank in range(4)]
+    assert [r["launch"] for r in results] == [["kubernetes", 4, rank, 1, 0] for rank in range(4)]
 
 
 def test_a_failing_rank_fails_the_launch_with_one_line(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ collective with ``accumix.testing.CollectiveLog``, and compares the result with 
 large batch. A collective crosses nodes when its group holds ranks of two nodes (torchrun
 numbers ranks node by node). Writes OUT_DIR/rank<R>.json: per run, bytes per optimizer step
 across and inside nodes over the model's fp32 bytes, the steps, the difference to the
-reference.
+reference; and under "launch" the launcher, nodes and node rank the rank read.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ def run(make: Any, steps: int) -> dict[str, Any]:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    out = {name: run(make, steps) for name, (make, steps) in RUNS.items()}
+    out: dict[str, Any] = {name: run(make, steps) for name, (make, steps) in RUNS.items()}
+    launch = ax.Accelerator(precision="fp32").launch  # what the ranks read from the launcher
+    out["launch"] = {"launcher": launch.launcher, "nodes": launch.num_nodes,
+                     "node": launch.node_rank, "local_world": launch.local_world_size}
     rank = torch.distributed.get_rank()
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(out))
 

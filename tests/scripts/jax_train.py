@@ -373,7 +373,7 @@ def main(out: Path, mode: str, saved_processes: int) -> None:
     processes = saved_processes if mode != "train" else jax.process_count()
     windows = global_windows(processes)
     result: dict[str, object] = {"process": jax.process_index(), "processes": acc.world_size,
-                                 "devices": acc.num_devices}
+                                 "devices": acc.num_devices, "launcher": acc.launch.launcher}
     if mode == "train":
         ref = w.reference(windows, items=True)
         for strategy in ("ddp", "fsdp"):

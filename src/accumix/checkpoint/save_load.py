@@ -39,7 +39,7 @@ from accumix.checkpoint import meta as checkpoint_meta
 from accumix.checkpoint.meta import FORMAT as FORMAT  # re-exported: where it was
 from accumix.checkpoint.plain_values import numpy_floats
 from accumix.common import run_dir as layout
-from accumix.common.batch_sizes import resumed_grad_accum_steps
+from accumix.common.batch_sizes import resumed_grad_accum_steps, world_change
 from accumix.common.locations import AnyPath, RemotePath, location
 from accumix.common.run_dir import alternatives, latest_checkpoint, resolve
 from accumix.errors import AccumixError, CheckpointError, ConfigError
@@ -89,11 +89,15 @@ def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True)
             loader.check_state(saved, f"DataLoader {index}")
     except (CheckpointError, ConfigError) as exc:
         error = (False, str(exc))
+    world_line = None
     if error is None and "grad_accum" in meta:  # older checkpoints did not record K's source
         try:
+            mine = accum_steps.geometry(run)
             steps = resumed_grad_accum_steps(
-                meta["grad_accum"], accum_steps.geometry(run),
-                global_batch_size=run.batch_sizes[1], assigned=run.steps_assigned)
+                meta["grad_accum"], mine, global_batch_size=run.batch_sizes[1],
+                assigned=run.steps_assigned)
+            # An elastic job restarted on fewer or more nodes: what K and the global batch did.
+            world_line = world_change(meta["grad_accum"], mine, steps)
         except ConfigError as exc:
             error = (True, f"acc.load_state({str(path)!r}): {exc}")
     with fault.phase(run, "acc.load_state, checking the checkpoint"):
@@ -141,6 +145,8 @@ def load_state(run: RunState, path: str | os.PathLike[str], strict: bool = True)
         loader.load_state_dict(saved)
     # Last: nothing above may draw from the generators once they hold the saved streams.
     rng_state.restore(run, rng)
+    if world_line is not None and run.rank == 0:  # once, whatever the logging set-up
+        log.warning("%s (resumed from %s)", world_line, step_dir)
     saved_world = meta["world_size"]
     if saved_world != run.world_size:
         log.info("loaded %s saved on %d ranks into %d; ranks >= %d took the RNG streams of "

@@ -7,6 +7,7 @@ traceback; 1 when the work itself failed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -42,6 +43,23 @@ def _launched_rank() -> int:
     return detect_launch_env().rank
 
 
+def _report_to_launcher(line: str) -> bool:
+    """A rank started by ``accumix launch`` hands its one-line error to the launcher through
+    torchrun's error file (``TORCHELASTIC_ERROR_FILE``): the launcher prints the first rank's
+    once, when the launch ends, instead of one line per rank and per restart (an elastic job
+    restarted on a world its global batch does not divide fails on every attempt).
+
+    Returns:
+        Whether the line was handed over (else the caller prints it).
+    """
+    if os.environ.get("ACCUMIX_LAUNCH") != "1" or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(ConfigError(line))
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default: ``sys.argv[1:]``).
 
@@ -56,10 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(redact(str(exc)), file=sys.stderr)
         return 2
     except ConfigError as exc:
-        if getattr(exc, "every_rank", False) and _launched_rank() != 0:
-            return 2  # every rank raised the same error, agreed: rank 0 prints it once
         command = f"accumix {args.command}" if "args" in locals() else "accumix"
         message = redact(" ".join(str(exc).split()))  # one line, no password in it
+        if _report_to_launcher(f"{command}: error: {message}"):
+            return 2  # accumix launch prints it once, after the last attempt
+        if getattr(exc, "every_rank", False) and _launched_rank() != 0:
+            return 2  # every rank raised the same error, agreed: rank 0 prints it once
         print(f"{command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ With no arguments it is the default recipe (a small GPT on the stdlib's source).
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 import yaml
@@ -77,7 +78,9 @@ def run_train(args: argparse.Namespace) -> int:
         from accumix.recipes import default_jax
 
         run = default_jax.run
-    if detect_launch_env().launcher != "none":  # a launcher started us: we are one rank
+    launched = detect_launch_env().launcher != "none" or (
+        config.backend == "jax" and "JAX_NUM_PROCESSES" in os.environ)  # Kubeflow's JAX runtime
+    if launched:  # a launcher or an engine started us: we are one rank
         from accumix.runtime.fault import die_with_launcher
 
         die_with_launcher()  # the JAX backend's ranks too (the torch Accelerator starts it)
@@ -95,8 +98,8 @@ def run_train(args: argparse.Namespace) -> int:
     micro = config.micro_batch_size
     derive_grad_accum_steps(grad_accum_steps=None, global_batch_size=config.global_batch_size,
                             micro_batch_size=None if micro == "auto" else micro,
-                            dp_world_size=plan.nproc)
-    if plan.nproc == 1:
+                            dp_world_size=plan.nproc * plan.nnodes)
+    if plan.nproc == 1 and plan.nnodes == 1:
         return run(config)
     check_outputs(config)
     return run_torchrun(plan, "accumix.cli.main", ["train", *args.items], module=True)

@@ -114,8 +114,9 @@ def resumed_grad_accum_steps(saved: dict[str, Any], mine: dict[str, Any], *,
         raise ConfigError(
             f"the checkpoint's global batch of {saved_global} (K={saved_steps} x micro batch "
             f"{saved['micro_batch_size']} x {saved['dp_world_size']} ranks) is not a multiple "
-            f"of micro batch {mine['micro_batch_size']} x {mine['dp_world_size']} ranks; resume "
-            "on a world size that divides it, or pass grad_accum_steps= to change K on purpose"
+            f"of micro batch {mine['micro_batch_size']} x {mine['dp_world_size']} ranks; "
+            f"{_what_divides(saved_global, mine['micro_batch_size'], mine['dp_world_size'])}, "
+            "or pass grad_accum_steps= to change K on purpose"
         )
     raise ConfigError(
         f"the checkpoint was saved with grad_accum_steps={saved_steps} (global batch "
@@ -123,3 +124,26 @@ def resumed_grad_accum_steps(saved: dict[str, Any], mine: dict[str, Any], *,
         f"grad_accum_steps={steps} here; pass global_batch_size={saved_global or '?'} to resume "
         f"as saved, or grad_accum_steps={steps} to change K on purpose"
     )
+
+
+def world_change(saved: dict[str, Any], mine: dict[str, Any], steps: int) -> str | None:
+    """The line that says what a resume on another data-parallel world did to K and the global
+    batch (an elastic job's restart on fewer or more nodes); None on the same world.
+
+    Args:
+        saved: the checkpoint's ``batch_geometry``.
+        mine: this run's.
+        steps: the K this run resumes with (``resumed_grad_accum_steps``).
+    """
+    before, after = saved["dp_world_size"], mine["dp_world_size"]
+    if before == after:
+        return None
+    head = f"world {before} -> {after}: K {saved['steps']} -> {steps}"
+    if not (saved["micro_batch_size"] and mine["micro_batch_size"]):
+        return f"{head} (micro batch not known yet)"
+    old = saved["steps"] * saved["micro_batch_size"] * before
+    new = steps * mine["micro_batch_size"] * after
+    if old == new:
+        return f"{head}, global batch {old} kept"
+    return (f"{head}, global batch {old} -> {new}: K is kept without global_batch_size (give "
+            f"global_batch_size={old} to keep the global batch)")

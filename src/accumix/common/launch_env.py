@@ -1,8 +1,9 @@
 """Who am I in the job (rank, world, local rank, master address), from the launcher's variables.
 
 Read from torchrun's variables first, then SLURM's, then Open MPI's / PMI's, so one script runs
-unchanged under `torchrun`, `srun` and `mpirun`. Torch-free: the JAX backend reads the same
-variables to call ``jax.distributed.initialize``.
+unchanged under `torchrun`, `srun` and `mpirun`; a Kubernetes pod given ``RANK`` and
+``WORLD_SIZE`` but no local rank (PyTorchJob's ``python train.py`` in each pod) is one node.
+Torch-free: the JAX backend reads the same variables to call ``jax.distributed.initialize``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ class LaunchEnv:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
-    launcher: str = "none"  # "torchrun" | "slurm" | "mpi" | "none"
+    # "torchrun" | "slurm" | "mpi" | "kubernetes" | "skypilot" | "jax" | "none"; torchrun's
+    # ranks inside a Kubeflow pod or on a SkyPilot node say the engine's name.
+    launcher: str = "none"
     # The machines: this one's index and how many (hsdp replicates across them).
     node_rank: int = 0
     num_nodes: int = 1
@@ -107,12 +110,18 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     Returns:
         A ``LaunchEnv``; one process (``launcher="none"``) when no launcher is found.
     """
+    from accumix.common.engine_env import engine_name, is_pytorchjob_pod
+
     environ = os.environ if environ is None else environ
     addr = environ.get("MASTER_ADDR")
     port = _int(environ, "MASTER_PORT")
     if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, or a user who set them by hand
         world = int(environ["WORLD_SIZE"])
         rank = int(environ["RANK"])
+        if is_pytorchjob_pod(environ):  # `python train.py` in each pod: the pod is a node
+            return LaunchEnv(rank=rank, world_size=world, master_addr=addr or "127.0.0.1",
+                             master_port=port or DEFAULT_PORT, launcher="kubernetes",
+                             node_rank=rank, num_nodes=world)
         local_world = _int(environ, "LOCAL_WORLD_SIZE") or world
         # torchrun's agent per node: GROUP_RANK is the node's index, GROUP_WORLD_SIZE the nodes.
         return LaunchEnv(
@@ -122,7 +131,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             local_world_size=local_world,
             master_addr=addr or "127.0.0.1",
             master_port=port or DEFAULT_PORT,
-            launcher="torchrun",
+            launcher=engine_name(environ) or "torchrun",
             node_rank=_either(_int(environ, "GROUP_RANK"), rank // max(local_world, 1)),
             num_nodes=_either(_int(environ, "GROUP_WORLD_SIZE"), _nodes(world, local_world)),
         )

@@ -6,7 +6,9 @@ node sets it to a loopback port it holds for the job), else, under torchrun, ``M
 ``MASTER_PORT + 1`` (torchrun's own store holds ``MASTER_PORT``). A loopback coordinator listens
 on its own address only (JAX's default is every interface; ``JAX_COORDINATOR_BIND_ADDRESS``
 still overrides).
-Under Slurm or Open MPI, JAX finds the cluster itself. On CPU the cross-process collectives are
+Under Slurm or Open MPI, JAX finds the cluster itself. Under Kubeflow's JAX runtime (one
+process per pod) the coordinator is ``JAX_COORDINATOR_ADDRESS``, the processes
+``JAX_NUM_PROCESSES`` and this one ``JAX_PROCESS_ID``. On CPU the cross-process collectives are
 gloo.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from accumix.common.engine_env import check_joined, jax_runtime_env
 from accumix.common.launch_env import LaunchEnv, detect_launch_env, is_loopback
 from accumix.errors import ConfigError
 
@@ -47,12 +50,16 @@ def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
         The launch environment read.
     """
     launch = launch or detect_launch_env()
+    runtime = jax_runtime_env(os.environ) if launch.launcher == "none" else None
+    if runtime is not None:  # Kubeflow's JAX runtime: one process per pod
+        launch = runtime[0]
+    check_joined(launch, os.environ, backend="jax")  # never a silent world 1
     if launch.world_size <= 1 or jax.distributed.is_initialized():
         return launch
     if launch.launcher in ("slurm", "mpi") and "ACCUMIX_JAX_COORDINATOR" not in os.environ:
         jax.distributed.initialize()  # JAX's own cluster detection
     else:
-        address = coordinator_address(launch)
+        address = runtime[1] if runtime is not None else coordinator_address(launch)
         jax.distributed.initialize(coordinator_address=address, num_processes=launch.world_size,
                                    process_id=launch.rank,
                                    coordinator_bind_address=bind_address(address))

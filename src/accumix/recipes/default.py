@@ -97,6 +97,7 @@ def run(config: TrainConfig) -> int:
         max_epochs=config.max_epochs, eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every, **config.trainer_dirs(), resume=config.resume,
         grad_clip=config.grad_clip, progress_bar=config.progress_bar,
+        preemption_signals=config.preemption_signals, requeue=config.requeue,
         callbacks=[ThroughputMonitor(flops_per_item=model.flops_per_token()),
                    SaveModelAtEnd(lambda: acc.save_model(config.run_dir))],
         **tracking_options(config),

@@ -202,6 +202,7 @@ def run(config: TrainConfig) -> int:
         eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
         **config.trainer_dirs(), resume=config.resume, grad_clip=config.grad_clip,
         progress_bar=config.progress_bar,
+        preemption_signals=config.preemption_signals, requeue=config.requeue,
         callbacks=[ThroughputMonitor(flops_per_item=gpt_jax.flops_per_token(model_cfg)),
                    SaveModelAtEnd(lambda: save_weights(acc, steps.state, config.run_dir,
                                                        model_cfg))],

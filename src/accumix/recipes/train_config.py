@@ -163,6 +163,9 @@ class TrainConfig:
             as that list; null: csv, jsonl and tensorboard when installed).
         log_model: trackers upload the final ``model.safetensors``.
         system_metrics_every: every rank's system metrics every N steps (null: off).
+        preemption_signals: the signals that save at the next step and stop (exit status
+            143): ``[SIGTERM]``; ``[SIGUSR1]`` for ``sbatch --signal=USR1@90``.
+        requeue: after that save, rank 0 asks SLURM to requeue the job (``scontrol requeue``).
         model: the GPT's shape.
         data: the text.
         optimizer: AdamW and the LR schedule.
@@ -194,6 +197,8 @@ class TrainConfig:
     loggers: tuple[str, ...] | None = None
     log_model: bool = False
     system_metrics_every: int | None = 10
+    preemption_signals: tuple[str, ...] = ("SIGTERM",)
+    requeue: bool = False
     model: GPTConfig = field(default_factory=lambda: GPTConfig(
         block_size=128, n_layer=4, n_head=4, n_embd=256))
     data: DataConfig = field(default_factory=DataConfig)
@@ -234,7 +239,10 @@ class TrainConfig:
             raise ConfigError("max_steps and max_epochs are both null; give one of them")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"grad_clip={self.grad_clip} is invalid; use a number > 0 or null")
+        from accumix.common.preemption import parse_signals
         from accumix.trainer.loggers import check_logger_words
+
+        parse_signals(self.preemption_signals, key="preemption_signals")
 
         try:
             check_logger_words(list(self.loggers or ()))

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from accumix.common.engine_env import check_joined
+
 # Re-exported: the launch variables are read by the torch-free module.
 from accumix.common.launch_env import DEFAULT_PORT, LaunchEnv, detect_launch_env, first_host
 from accumix.errors import ConfigError
@@ -58,8 +60,13 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
 
     Returns:
         True if this call created the group; it is then destroyed when the process exits.
+
+    Raises:
+        ConfigError: the cluster engine says the job has more nodes or processes than this
+            one joined (``common/engine_env.check_joined``): never a silent world of 1.
     """
     global _created_group
+    check_joined(launch, os.environ)
     if not launch.distributed:
         return False
     _register_exit_teardown()  # a group the script made itself has gloo threads to wait for too

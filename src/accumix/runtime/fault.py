@@ -40,6 +40,7 @@ import torch.distributed as dist
 from accumix.common import preemption_report, worker_signals
 from accumix.common.locations import location
 from accumix.common.preemption import PreemptionWatch
+from accumix.common.slurm_requeue import requeue, requeue_target
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -299,8 +300,8 @@ def _is_collective_failure(exc: BaseException) -> bool:
 
 
 class PreemptionHandler:
-    """Turns a signal into a checkpoint at the next window boundary; made by
-    ``Accelerator.handle_preemption``.
+    """Turns a signal into a checkpoint at the next window boundary (then, with ``requeue``,
+    rank 0 asks SLURM to requeue the job); made by ``Accelerator.handle_preemption``.
 
     Attributes:
         triggered: a signal arrived and the checkpoint was written.
@@ -309,7 +310,7 @@ class PreemptionHandler:
 
     def __init__(self, run: RunState, run_dir: str | os.PathLike[str], *,
                  save: Callable[[Path, int | None], Path], signals: tuple[int, ...],
-                 keep_last: int | None, exit: bool) -> None:
+                 keep_last: int | None, exit: bool, requeue: bool = False) -> None:
         for index, loader in enumerate(run.loaders):
             if loader._unresumable:  # a signal mid-epoch would find no save it could make
                 raise ConfigError(
@@ -317,6 +318,8 @@ class PreemptionHandler:
                     f"{loader._unresumable}; use batch_size= with shuffle=True/False or a "
                     "DistributedSampler, or save with acc.save_state at epoch ends instead"
                 )
+        # Checked now, not when the signal comes: no SLURM job or no scontrol is one line.
+        self._requeue = requeue_target() if requeue else None
         self._run, self._save_state = run, save
         # A path, or an object store URL (accumix.common.locations): kept as given.
         self.run_dir, self.keep_last, self.exit = location(run_dir), keep_last, exit
@@ -371,6 +374,8 @@ class PreemptionHandler:
         # one write: the ranks share the terminal, and print's separate newline interleaves
         sys.stderr.write(f"accumix: rank {self._run.rank} pre-empted; saved {self.checkpoint}\n")
         sys.stderr.flush()
+        if self._requeue is not None and self._run.rank == 0:  # the save is published
+            requeue(self._requeue)
         return True
 
     def close(self) -> None:

@@ -4,12 +4,13 @@ preemption handler may be installed, and ``end()`` closes the pieces in order.""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from accumix.common.preemption import parse_signals
 from accumix.errors import ConfigError
 from accumix.runtime import fault
 
@@ -33,14 +34,16 @@ def check_same_config(run: RunState) -> None:
 
 
 def handle_preemption(run: RunState, run_dir: str | os.PathLike[str], *,
-                      save: Callable[[Path, int | None], Path], signals: tuple[int, ...],
-                      keep_last: int | None, exit: bool) -> fault.PreemptionHandler:
+                      save: Callable[[Path, int | None], Path], signals: Iterable[int | str],
+                      requeue: bool = False, keep_last: int | None,
+                      exit: bool) -> fault.PreemptionHandler:
     """``acc.handle_preemption``: replaces any earlier handler."""
+    chosen = parse_signals(signals)  # before the old handler goes: a bad name changes nothing
     if run.preemption is not None:
         run.preemption.close()
     run.preemption = fault.PreemptionHandler(
-        run, run_dir, save=save, signals=tuple(signals), keep_last=keep_last, exit=exit
-    )
+        run, run_dir, save=save, signals=chosen, requeue=requeue, keep_last=keep_last,
+        exit=exit)
     return run.preemption
 
 

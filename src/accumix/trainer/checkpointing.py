@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from accumix.common import run_dir as layout
 from accumix.common.locations import AnyPath, RemotePath, location
+from accumix.common.slurm_requeue import requeue
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 
 if TYPE_CHECKING:
@@ -94,9 +95,12 @@ def wait_for_save(trainer: Trainer) -> None:
 
 
 def stop_preempted(trainer: Trainer) -> NoReturn:
-    """``trainer.stop_preempted()``: saves (collective) and raises ``Preempted``."""
-    path = save_for_preemption(trainer)
+    """``trainer.stop_preempted()``: saves (collective), asks SLURM to requeue the job when
+    the Trainer was given ``requeue=True`` (rank 0), and raises ``Preempted``."""
+    path = save_for_preemption(trainer)  # published when it returns
     if trainer.accelerator.is_main_process:
         log.warning("pre-empted: saved %s at step %d; stopping (exit status %d: requeue the "
                     "job to resume)", path, trainer.step, PREEMPTED_EXIT_CODE)
+        if trainer.requeue_target is not None:
+            requeue(trainer.requeue_target)
     raise Preempted(trainer.step, path)

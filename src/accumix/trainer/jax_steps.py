@@ -81,6 +81,14 @@ class JaxSteps:
         # only accumix.request_preemption() and the added checks stop the run.
         self._watch = PreemptionWatch(preemption_signals, rank=accelerator.rank)
 
+    def watch_preemption(self, trainer: Trainer) -> None:
+        """The Trainer's ``preemption_signals``, when it was given some, replace these
+        steps' own (the Trainer calls it as ``fit`` starts)."""
+        if trainer.preemption_signals is not None:
+            self._watch.close()
+            self._watch = PreemptionWatch(trainer.preemption_signals,
+                                          rank=self.accelerator.rank)
+
     def close(self) -> None:
         """Puts the signal handlers back (the Trainer calls it when ``fit`` ends)."""
         self._watch.close()

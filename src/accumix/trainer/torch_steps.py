@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -143,15 +144,17 @@ class TorchSteps:
         return got_batch
 
     def watch_preemption(self, trainer: Trainer) -> None:
-        """SIGTERM on any rank: every rank saves the Trainer's checkpoint at the next window
-        boundary (``acc.handle_preemption``, one scalar all-reduce per window), then the loop
-        stops (``trainer.stop_preempted``). Off, with a warning, where a save mid-epoch is
-        impossible (a loader that cannot resume mid-epoch). Off the main thread (Ray Train)
-        signals cannot be caught: ``accumix.request_preemption()`` and the added checks
-        (``accumix.common.preemption``) still are."""
+        """SIGTERM (or ``trainer.preemption_signals``) on any rank: every rank saves the
+        Trainer's checkpoint at the next window boundary (``acc.handle_preemption``, one
+        scalar all-reduce per window), then the loop stops (``trainer.stop_preempted``). Off,
+        with a warning, where a save mid-epoch is impossible (a loader that cannot resume
+        mid-epoch). Off the main thread (Ray Train) signals cannot be caught:
+        ``accumix.request_preemption()`` and the added checks (``accumix.common.preemption``)
+        still are."""
         try:
             self._preemption = self.accelerator.handle_preemption(
-                trainer.checkpoint_dir, keep_last=trainer.keep_checkpoints, exit=False,
+                trainer.checkpoint_dir, signals=trainer.preemption_signals or (signal.SIGTERM,),
+                keep_last=trainer.keep_checkpoints, exit=False,
                 save=trainer.save_for_preemption)
         except ConfigError as exc:
             if self.accelerator.is_main_process:

@@ -23,10 +23,11 @@ losses, and every callback's ``state_dict()``. A finished run (``max_steps``, ``
 a callback's stop) that is run again loads it and does nothing more: ``fit`` reports the saved
 result.
 
-Pre-emption: with a run directory, a SIGTERM on any rank is agreed at the next window boundary
-(torch: ``acc.handle_preemption``; JAX: at the next metrics read), every rank saves there,
-the trackers close as pre-empted and ``fit`` raises ``accumix.Preempted`` (a ``SystemExit``
-with status 143, which schedulers retry); the requeued job resumes from that checkpoint.
+Pre-emption: with a run directory, a SIGTERM (or one of ``preemption_signals``) on any rank is
+agreed at the next window boundary (torch: ``acc.handle_preemption``; JAX: at the next metrics
+read), every rank saves there, with ``requeue=True`` rank 0 asks SLURM to requeue the job, the
+trackers close as pre-empted and ``fit`` raises ``accumix.Preempted`` (a ``SystemExit`` with
+status 143, which schedulers retry); the requeued job resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from accumix.common.preemption import parse_signals
+from accumix.common.slurm_requeue import requeue_target
 from accumix.errors import ConfigError
 from accumix.trainer import checkpointing, run_state
 from accumix.trainer.callbacks import LossGuard
@@ -113,6 +116,9 @@ class Trainer:
         system_metrics_every: every rank's CPU %, memory, device memory, GPU use and step
             time every this many steps, as ``system/rank<r>/<name>`` columns (None: off).
         progress_bar: show the progress bar on rank 0.
+        preemption_signals: the signals saved as a pre-emption, names or numbers (``SIGUSR1``
+            for ``sbatch --signal=USR1@90``); None: SIGTERM (JAX steps: their own).
+        requeue: after a pre-emption's save, rank 0 runs ``scontrol requeue`` (SLURM).
 
     Raises:
         ConfigError: neither ``max_steps`` nor ``max_epochs``, a count below 1, or an empty loader.
@@ -148,6 +154,8 @@ class Trainer:
         config: Mapping[str, Any] | None = None,
         system_metrics_every: int | None = 10,
         progress_bar: bool = True,
+        preemption_signals: Sequence[int | str] | None = None,
+        requeue: bool = False,
     ) -> None:
         if max_steps is None and max_epochs is None:
             raise ConfigError("give max_steps or max_epochs (or both); the run needs an end")
@@ -191,6 +199,9 @@ class Trainer:
             if self.run_dir is not None else []
         self.run_name, self.config = run_name, dict(config or {})
         self.system_metrics_every = system_metrics_every
+        self.preemption_signals = None if preemption_signals is None else parse_signals(
+            preemption_signals, key="preemption_signals")
+        self.requeue_target = requeue_target() if requeue else None  # checked now, not later
         # State that callbacks read.
         self.step = steps.optimizer_steps
         self.epoch = 0
