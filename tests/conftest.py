@@ -30,6 +30,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # A size bound turns on JAX's file lock around reads and writes: two ranks may write the same
     # entry while a third process reads it (without the lock a reader can see a partial file).
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
+# The suite launches 2 (and 2 x 2) processes whatever the machine's cores: `accumix launch`
+# refuses more processes than cores unless told (tests/unit/test_security_config.py checks it).
+os.environ.setdefault("ACCUMIX_OVERSUBSCRIBE", "1")
 
 # The CPU's bf16 answer (``accumix.precision.words.cpu_has_native_bf16``: "auto"'s choice and
 # the "emulated" warning) is pinned for the suite and every process it starts, through the

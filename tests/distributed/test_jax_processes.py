@@ -23,6 +23,8 @@ from tests.golden import matches_golden
 
 pytest.importorskip("jax")
 
+from tests.listening import is_loopback, non_loopback_hostname  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "jax_train.py"
 ACCUMIX = [sys.executable, "-m", "accumix.cli.main"]
@@ -162,8 +164,9 @@ def test_two_processes_train_resume_bitwise_and_reshard_to_one(
 
 
 def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: Path) -> None:
-    _run([*ACCUMIX, "launch", "--nproc", "2", str(SCRIPT), str(tmp_path), "mismatch"],
-         devices=1)
+    # Under a host name that resolves to a non-loopback address where possible (issue 45).
+    _run([*non_loopback_hostname(), *ACCUMIX, "launch", "--nproc", "2", str(SCRIPT),
+          str(tmp_path), "mismatch"], devices=1)
     # The launcher holds JAX's coordinator port for the job: another bind of it is refused
     # (was "taken": a free port picked, then lost before rank 0 bound it, a flaky failure).
     assert json.loads((tmp_path / "port.json").read_text()) == "EADDRINUSE"
@@ -178,6 +181,11 @@ def test_processes_launched_with_different_settings_stop_naming_both(tmp_path: P
     assert auto[0]["loss"] == auto[1]["loss"] > 0
     assert all("DDPStrategy()" in r["error"] and "sync_each_microstep=True" in r["error"]
                for r in auto), auto
+    # Issue 45: torchrun's store, JAX's coordinator and gloo listen on loopback only (before:
+    # the store on "::", gloo on the host name's address).
+    listening = {tuple(a) for r in auto for a in r["listening"]}
+    assert len(listening) >= 4, listening  # store, coordinator, two gloo listeners
+    assert all(is_loopback(address) for address, _ in listening), listening
 
 
 def test_the_jax_recipe_trains_on_two_processes(tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ import textwrap
 from pathlib import Path
 
 from accumix.testing import free_port
+from tests.listening import is_loopback, non_loopback_hostname
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ACCUMIX = [sys.executable, "-m", "accumix.cli.main"]
 
@@ -25,6 +28,8 @@ SCRIPT = textwrap.dedent("""
 
     acc = ax.Accelerator(precision="fp32")
     total = acc.reduce(torch.tensor(float(acc.rank + 1)), "sum").item()
+    from tests.listening import job_listening  # the launcher's store, every rank's gloo
+    listening = job_listening()
     # What the exit teardown waits for: gloo's workers, found by name, idle after the reduce
     # (a rename in torch would make the wait a silent no-op).
     idle = env.wait_for_idle_threads(env.GLOO_WORKER_THREAD, timeout=30)
@@ -32,7 +37,8 @@ SCRIPT = textwrap.dedent("""
            "threads": torch.get_num_threads(), "addr": os.environ["MASTER_ADDR"],
            "gloo_idle": idle, "gloo_states": env.thread_states(env.GLOO_WORKER_THREAD),
            "launch": [acc.launch.launcher, acc.launch.num_nodes, acc.launch.node_rank,
-                      acc.launch.local_world_size, acc.local_rank]}
+                      acc.launch.local_world_size, acc.local_rank],
+           "listening": listening, "port": int(os.environ["MASTER_PORT"])}
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{acc.rank}.json"), "w") as f:
         json.dump(out, f)
     acc.end()
@@ -44,15 +50,24 @@ def _results(out_dir: Path) -> list[dict]:
 
 
 def test_launch_two_ranks_on_one_node(tmp_path: Path) -> None:
+    """Also issue 45: everything the job listens on (torchrun's store in the launcher, each
+    rank's gloo) is on loopback, even where the host name resolves to another address (run in
+    a UTS namespace whose host name is this machine's non-loopback IPv4 when it can be).
+    Before: the store listened on ``::`` (every interface), gloo on the host name's address."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    done = subprocess.run([*ACCUMIX, "launch", "--nproc", "2", str(script), "--lr", "0.1"],
+    done = subprocess.run([*non_loopback_hostname(), *ACCUMIX, "launch", "--nproc", "2",
+                           str(script), "--lr", "0.1"],
                           env={**_env(), "OUT_DIR": str(tmp_path)}, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     results = _results(tmp_path)
     assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, 3.0), (1, 2, 3.0)]
     assert all(r["args"] == ["--lr", "0.1"] and r["addr"] == "127.0.0.1" for r in results)
+    listening = {tuple(a) for r in results for a in r["listening"]}
+    assert ("127.0.0.1", results[0]["port"]) in listening  # the store, found
+    assert len(listening) >= 3, listening  # and each rank's gloo listener
+    assert all(is_loopback(address) for address, _ in listening), listening
     assert all(r["gloo_idle"] and r["gloo_states"] and set(r["gloo_states"]) == {"S"}
                for r in results), results
 
@@ -122,4 +137,5 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                         "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env

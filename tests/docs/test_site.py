@@ -120,3 +120,10 @@ def test_the_benchmarks_page_includes_benchmarks_md(site: Path) -> None:
     assert len(headings) > 10 and missing == []
     pictures = _article(site / "benchmarks/index.html")
     assert pictures.count("<svg") == 3 and "hsdp (full)" in pictures  # drawn from the tables
+
+
+def test_the_security_page_includes_security_md(site: Path) -> None:
+    headings = re.findall(r"^## (.+)$", (ROOT / "SECURITY.md").read_text(), flags=re.M)
+    page = _visible(site / "security/index.html")
+    assert len(headings) >= 4 and [h for h in headings if h not in page] == []
+    assert "postgresql://alice:***@host/db" in _code(site / "security/index.html")

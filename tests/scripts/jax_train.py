@@ -124,7 +124,10 @@ def auto_agreement(out: Path) -> None:
     acc = axj.Accelerator(strategy="auto", precision="fp32", grad_accum_steps=K)
     state = acc.setup(w.init_params(), w.optimizer())
     state, metrics = acc.train_step(w.item_loss)(state, mine(global_windows(2)[0], 2))
-    result = {"chosen": repr(acc.strategy), "loss": float(metrics["loss"])}
+    from tests.listening import job_listening  # the coordinator, gloo, torchrun's store
+
+    result = {"chosen": repr(acc.strategy), "loss": float(metrics["loss"]),
+              "listening": job_listening()}
     acc = axj.Accelerator(strategy="auto" if rank == 0 else "ddp", precision="fp32",
                           grad_accum_steps=K)
     try:

@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from accumix.checkpoint import node_copies
+from accumix.checkpoint import load_limits, node_copies
 from accumix.checkpoint.plain_values import numpy_floats, plain
 from accumix.common.locations import STORAGE_OPTIONS, is_url
+from accumix.common.safe_paths import inside
 from accumix.errors import CheckpointError
 from accumix.runtime import fault
 
@@ -166,7 +167,13 @@ def write(state: dict[str, Any], directory: str) -> None:
 
 
 def read(state: dict[str, Any], reader: SafeReader) -> None:
-    """``dcp.load`` into ``state`` in place, non-tensor entries through ``weights_only``."""
+    """``dcp.load`` into ``state`` in place, non-tensor entries through ``weights_only``.
+
+    Raises:
+        CheckpointError: a saved tensor of another shape than ``state``'s (it bounds what the
+            load allocates: ``load_limits``).
+    """
+    load_limits.check_shapes(reader.path, state, reader.read_metadata())
     with _quiet_single_process():
         dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=not _distributed())
 
@@ -359,8 +366,10 @@ class _SafePlanner(DefaultLoadPlanner):
 
 
 class SafeReader(FileSystemReader):
-    """Reads DCP's ``.metadata`` pickle through a whitelist of the classes DCP writes there;
-    a local directory or an fsspec URL (as ``FsspecReader``)."""
+    """Reads DCP's ``.metadata`` pickle through a whitelist of the classes DCP writes there,
+    checks every entry it names before reading any (files inside the checkpoint, sizes within
+    the shapes: ``load_limits.check_metadata``) and every entry's zip before ``torch.load``
+    inflates it; a local directory or an fsspec URL (as ``FsspecReader``)."""
 
     def __init__(self, directory: str) -> None:
         super().__init__(directory if not is_url(directory) else ".")
@@ -383,7 +392,22 @@ class SafeReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        load_limits.check_metadata(str(self.path), metadata, self._entry_size)
         return metadata
+
+    def _entry_size(self, name: str) -> int | None:
+        """The bytes of this checkpoint's file ``name`` (checked to lie inside it); None when
+        it is not here (a run directory per node holds its own ranks' shards)."""
+        path = inside(self.path, name, ".metadata")
+        if isinstance(path, str):  # an object store's URL
+            return int(self.fs.fs.size(path)) if self.fs.exists(path) else None
+        return path.stat().st_size if path.is_file() else None
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        load_limits.check_torch_zip(
+            load_limits.Window(file, sinfo.offset, sinfo.length), sinfo.length,
+            f"{sinfo.relative_path} (bytes {sinfo.offset}..{sinfo.offset + sinfo.length})")
+        return super()._slice_file(file, sinfo)
 
     def prepare_local_plan(self, plan: Any) -> Any:
         # Before any read (DCP gathers every rank's error here): a run directory per node holds

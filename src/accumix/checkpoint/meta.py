@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accumix.common.run_dir import META, alternatives
+from accumix.common.safe_paths import inside
 from accumix.errors import CheckpointError
 from accumix.step import accum_steps, window_end
 
@@ -89,7 +90,7 @@ def validate(run: RunState, step_dir: Path) -> dict[str, Any]:
             f"{', '.join(map(repr, missing))}); pass a directory written by acc.save_state"
         )
     for name, size in files.items():
-        file = step_dir / name
+        file = inside(step_dir, name, f"{META}'s file list")
         if not file.is_file():
             raise CheckpointError(f"{file} is missing; {alternatives(step_dir)}")
         if file.stat().st_size != size:

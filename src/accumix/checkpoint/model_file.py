@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from accumix.common.safe_write import replace_with
 from accumix.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -38,6 +39,6 @@ def write_full_state(strategy: Strategy, state: dict[str, torch.Tensor],
         path.parent.mkdir(parents=True, exist_ok=True)
         # Copies: safetensors refuses tensors that share storage (tied embeddings).
         tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-        save_file(tensors, str(path), metadata={"format": "pt"})
+        replace_with(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     strategy.barrier()
     return path

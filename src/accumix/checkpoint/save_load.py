@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accumix.checkpoint import background, rng_state, saving
+from accumix.checkpoint import background, load_limits, rng_state, saving
 from accumix.checkpoint import meta as checkpoint_meta
 from accumix.checkpoint.meta import FORMAT as FORMAT  # re-exported: where it was
 from accumix.checkpoint.plain_values import numpy_floats
@@ -206,9 +206,18 @@ def _saved_scheduler_states(step_dir: AnyPath, meta: dict[str, Any]) -> list[dic
 
 
 def _read_tensors(path: AnyPath) -> Any:
-    """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes."""
+    """``torch.load(weights_only=True)``: tensors, numbers, strings, containers; no classes;
+    a small file that would inflate, or hold more than such a file does, is refused first."""
+    if isinstance(path, RemotePath):  # its size first: the object is read whole
+        if path.is_file():
+            load_limits.check_size(path.stat().st_size, load_limits.SMALL_FILE_LIMIT, str(path))
+        source: Any = io.BytesIO(path.read_bytes())
+    else:
+        source = path
+    load_limits.check_torch_zip(source, load_limits.SMALL_FILE_LIMIT, str(path))
     try:
-        source = io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
         with numpy_floats():
             return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - zip errors, EOF, refused globals

@@ -37,11 +37,13 @@ from accumix.common import preemption_report
 from accumix.common.engine_env import EngineNodes, engine_nodes, node_range, slurm_nodes
 from accumix.common.launch_env import is_loopback
 from accumix.errors import PREEMPTED_EXIT_CODE, ConfigError
+from accumix.runtime.loopback import loopback_launch
 from accumix.testing import free_port
 
 DEFAULT_MULTINODE_PORT = 29500
 ENGINES = {"slurm": "SLURM", "kubernetes": "Kubeflow", "skypilot": "SkyPilot"}
 REPORTED = "ConfigError: "  # how torchrun's error file words a rank's handed-over line
+OVERSUBSCRIBE = "ACCUMIX_OVERSUBSCRIBE"  # "1": nproc may exceed this node's GPUs / CPU cores
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -105,16 +107,28 @@ def resolve_nproc(value: str | int, environ: Mapping[str, str] | None = None) ->
     the GPUs (at most the engine's), else the CPU cores (or the engine's).
 
     Raises:
-        ConfigError: not ``auto`` nor an integer >= 1.
+        ConfigError: not ``auto`` nor an integer >= 1, or more than this node's GPUs (else
+            its CPU cores), unless an engine states the count or ``ACCUMIX_OVERSUBSCRIBE=1``.
     """
     environ = os.environ if environ is None else environ
-    if value != "auto":
-        return _positive("nproc", value)
     engine = engine_nodes(environ)
+    gpus = local_gpus()
+    if value != "auto":
+        procs = _positive("nproc", value)
+        engine_gpus = engine.gpus if engine is not None else None
+        available = (min(gpus, engine_gpus or gpus) if gpus
+                     else (engine.cpus if engine is not None else None) or local_cpus())
+        # An engine that states the node's process count (PET_NPROC_PER_NODE=4) knows its pod.
+        stated = engine is not None and isinstance(engine.nproc, int)
+        if procs > available and not stated and environ.get(OVERSUBSCRIBE) != "1":
+            what = "GPUs" if gpus else "CPU cores"
+            raise ConfigError(f"nproc={procs} is more than this machine's {available} {what}; "
+                              f"use nproc=auto or at most {available} (or set {OVERSUBSCRIBE}=1 "
+                              "to start more processes anyway)")
+        return procs
     asked = engine.nproc if engine is not None else None
     if isinstance(asked, int):
         return asked
-    gpus = local_gpus()
     if asked == "gpu" and not gpus:
         raise ConfigError(f"{engine.said['nproc']} but this node has no GPU; give --nproc N "
                           "or PET_NPROC_PER_NODE=cpu")
@@ -196,6 +210,8 @@ def plan_launch(*, nproc: str | int = "auto", nnodes: int | str | None = None,
     if port is None:
         port = DEFAULT_MULTINODE_PORT if nodes > 1 else free_port()
     port = _positive("master-port", port)
+    if port > 65535:
+        raise ConfigError(f"master-port={port} is invalid; use a port in 1..65535")
     threads = None
     if local_gpus() == 0 and "OMP_NUM_THREADS" not in environ:
         cpus = (engine.cpus if engine is not None else None) or local_cpus()
@@ -309,8 +325,11 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
         logging.getLogger(name).setLevel(logging.ERROR)
     reports: list[preemption_report.Report] = []
     try:
+        # On loopback the store, gloo and NCCL listen there only (runtime/loopback.py).
         with (jax_coordinator_port(plan), forwarding_warning_signals(),
-              _ranks_environment(plan), preemption_reports(reports)):
+              _ranks_environment(plan), preemption_reports(reports),
+              loopback_launch(plan.master_addr, plan.master_port,
+                              hosts_store=plan.node_rank == 0)):
             run(parse_args(torchrun_args(plan, target, target_args, module=module)))
     except SignalException as exc:
         # torchrun's agent turned the signal into this exception after it forwarded the signal

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from accumix.cli import env, estimate_memory, launch, plot, train
+from accumix.common.redact import redact
 from accumix.errors import ConfigError
 
 
@@ -70,11 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         return int(args.run(args) or 0)
     except UsageError as exc:
-        print(str(exc), file=sys.stderr)
+        print(redact(str(exc)), file=sys.stderr)
         return 2
     except ConfigError as exc:
         command = f"accumix {args.command}" if "args" in locals() else "accumix"
-        message = " ".join(str(exc).split())  # one line, whatever the message held
+        message = redact(" ".join(str(exc).split()))  # one line, no password in it
         if _report_to_launcher(f"{command}: error: {message}"):
             return 2  # accumix launch prints it once, after the last attempt
         if getattr(exc, "every_rank", False) and _launched_rank() != 0:

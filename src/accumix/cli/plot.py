@@ -11,6 +11,7 @@ import csv
 import math
 from pathlib import Path
 
+from accumix.common.safe_write import replace_with
 from accumix.errors import ConfigError
 
 PLOT_NAME = "metrics.png"
@@ -105,7 +106,8 @@ def plot_metrics(run_dir: str | Path, output: str | Path | None = None) -> Path:
                  + (f", {len(skipped)} skipped" if skipped else ""))
     fig.tight_layout()
     path = Path(output) if output is not None else Path(run_dir) / PLOT_NAME
-    fig.savefig(path, dpi=100)
+    # Never through a link planted at the name: a fresh file renamed over it.
+    replace_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format=path.suffix[1:] or "png"))
     plt.close(fig)
     return path
 

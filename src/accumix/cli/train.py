@@ -69,6 +69,10 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
+    from accumix.recipes.config_checks import check_model_fits
+
+    # Here, not in the config: `accumix estimate-memory` sizes models this host cannot hold.
+    check_model_fits(config.model)
     run = default.run
     if config.backend == "jax":
         from accumix.recipes import default_jax

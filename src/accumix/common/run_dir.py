@@ -24,6 +24,9 @@ from typing import Any
 
 from accumix.common import remote_publish
 from accumix.common.locations import AnyPath, RemotePath, location
+from accumix.common.safe_paths import inside, step_pointer
+from accumix.common.safe_write import fsync as fsync  # re-exported: where it was
+from accumix.common.safe_write import replace_text
 from accumix.common.shared_dir import remove_leftover_probes
 from accumix.errors import CheckpointError
 
@@ -40,18 +43,22 @@ def latest_checkpoint(run_dir: str | os.PathLike[str] | RemotePath) -> AnyPath |
 
     Args:
         run_dir: the directory ``save_state`` was given.
+
+    Raises:
+        CheckpointError: ``latest`` names anything but a ``step-N`` directory of ``run_dir``
+            itself (``../other/step-0``, a path, a symbolic link), or is a link itself.
     """
     run_dir = location(run_dir)
     pointer = run_dir / LATEST
     if not pointer.is_file():
         return None
-    name = pointer.read_text().strip()
-    if isinstance(run_dir, RemotePath):  # published in place: no stand-ins
+    if isinstance(run_dir, RemotePath):  # published in place: no stand-ins, no links
+        name = pointer.read_text().strip()
         if not STEP_DIR.match(name):
             raise CheckpointError(f"{pointer} holds {name[:40]!r}, not a step-N name; it was "
                                   "not written by save_state")
         return run_dir / name
-    target = run_dir / name
+    target = step_pointer(run_dir, pointer)
     if target.is_dir():
         return target
     return _stand_in(target) or target
@@ -61,16 +68,19 @@ def _stand_in(target: Path) -> Path | None:
     """The complete leftover of an interrupted replacement of ``target``, newest first."""
     for suffix in (".tmp", ".old"):
         candidate = target.with_name(f".{target.name}{suffix}")
-        if (candidate / META).is_file():
+        if not candidate.is_symlink() and (candidate / META).is_file():
             return candidate
     return None
 
 
 def _recover(run_dir: Path) -> None:
     # Before leftovers are cleared: else latest would point at nothing until the save publishes.
-    target = latest_checkpoint(run_dir)
+    try:
+        target = latest_checkpoint(run_dir)
+    except CheckpointError:  # a latest naming no step-N of its own: nothing to recover; the
+        return  # save replaces it (never renames anything it names)
     if target is not None and target.name.startswith("."):
-        os.rename(target, run_dir / (run_dir / LATEST).read_text().strip())
+        os.rename(target, step_pointer(run_dir, run_dir / LATEST))
         fsync(run_dir)
 
 
@@ -127,31 +137,13 @@ def alternatives(step_dir: AnyPath) -> str:
     return f"the checkpoint is unusable; load an earlier one: {', '.join(others)}"
 
 
-def fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_text(path: AnyPath, text: str) -> None:
-    """Replaces ``path`` atomically with ``text``, durably (an object: one whole write)."""
+    """Replaces ``path`` atomically with ``text``, durably (an object: one whole write), never
+    through a link planted at ``path`` or at its temporary name (``common.safe_write``)."""
     if isinstance(path, RemotePath):
         path.write_text(text)
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync(path.parent)
+    replace_text(path, text)
 
 
 def write_json(path: AnyPath, obj: Any) -> None:
@@ -215,7 +207,7 @@ def check_manifest(step_dir: AnyPath, files: dict[str, int]) -> None:
         CheckpointError: naming the first file that does not match.
     """
     for name, size in files.items():
-        file = step_dir / name
+        file = inside(step_dir, name, f"{META}'s file list")
         if not file.is_file():
             raise CheckpointError(f"checkpoint {step_dir} is torn: {file} is missing")
         if file.stat().st_size != size:

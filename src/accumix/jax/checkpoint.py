@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 
 from accumix.common import run_dir as layout
 from accumix.common.locations import RemotePath, location
+from accumix.common.safe_write import replace_with
 from accumix.errors import CheckpointError
 from accumix.jax.state import TrainState
 
@@ -131,7 +132,7 @@ def save_model(acc: Accelerator, directory: Path, state: TrainState) -> Path:
     path = directory / "model.safetensors"
     if acc.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata={"format": "np"})
+        replace_with(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "np"}))
     sync("accumix-save-model")
     return path
 

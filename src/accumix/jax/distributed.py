@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import Any
 
 import jax
@@ -64,6 +65,8 @@ def initialize(launch: LaunchEnv | None = None) -> LaunchEnv:
         jax.distributed.initialize(coordinator_address=address, num_processes=launch.world_size,
                                    process_id=launch.rank,
                                    coordinator_bind_address=bind_address(address))
+        if bind_address(address) is not None:
+            _loopback_cpu_collectives(address.rsplit(":", 1)[0].strip("[]"))
     log.info("jax.distributed: process %d of %d, %d local devices", jax.process_index(),
              jax.process_count(), jax.local_device_count())
     return launch
@@ -78,9 +81,36 @@ def _initialize_from_ray(launch: LaunchEnv) -> LaunchEnv:
     with held:
         jax.distributed.initialize(coordinator_address=address, num_processes=launch.world_size,
                                    process_id=launch.rank, coordinator_bind_address=address)
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if is_loopback(host):  # a one-machine Ray cluster: gloo serves on loopback too
+        _loopback_cpu_collectives(host)
     log.info("jax.distributed from Ray Train: process %d of %d, %d local devices",
              jax.process_index(), jax.process_count(), jax.local_device_count())
     return launch
+
+
+def _loopback_cpu_collectives(host: str) -> None:
+    """JAX's CPU collectives (gloo) listen on ``host`` (a loopback address) instead of the
+    address of this machine's name. JAX has no setting for it: its CPU backend is registered
+    again with gloo told the address, before any backend starts (``jax.distributed.initialize``
+    requires that). Where this JAX's internals differ, a warning says what listens where."""
+    try:
+        from jax._src import config as jax_config
+        from jax._src import distributed as jax_distributed
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        if jax_config.cpu_collectives_implementation.value != "gloo":
+            return  # MPI, or no cross-process CPU collectives: no gloo sockets
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=jax_distributed.global_state.client, hostname=host)
+        xla_bridge.register_backend_factory(
+            "cpu", partial(xla_bridge.make_cpu_client, collectives=collectives), priority=0,
+            fail_quietly=False)
+    except Exception as exc:  # noqa: BLE001 - another JAX: gloo keeps its default address
+        log.warning("jax: could not keep the CPU collectives (gloo) on %s (%s: %s); they "
+                    "listen on the address of this machine's name while the job runs", host,
+                    type(exc).__name__, exc)
 
 
 def check_same_config(mine: tuple[Any, ...]) -> None:

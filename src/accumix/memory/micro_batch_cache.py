@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from accumix.common.safe_write import replace_text
 from accumix.memory.peak_memory import device_model
 from accumix.step.compile import unwrap
 
@@ -110,6 +111,4 @@ def write_cache(run_dir: str | os.PathLike[str] | None, key: str, micro: int) ->
         entries = {}
     entries[key] = {"micro_batch_size": micro}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    replace_text(path, json.dumps(entries, indent=1, sort_keys=True), durable=False)

@@ -20,7 +20,6 @@ host memory that a training run never holds.
 from __future__ import annotations
 
 import gc
-import os
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -30,6 +29,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from accumix.common.hardware import host_memory_bytes
 
 
 class _StorageGrowth(TorchDispatchMode):
@@ -186,15 +187,7 @@ def device_total_bytes(device: torch.device, *, local_world_size: int = 1) -> in
     ranks on this host)."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as file:
-            limit = file.read().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return total // max(local_world_size, 1)
+    return (host_memory_bytes() or 0) // max(local_world_size, 1)
 
 
 def device_model(device: torch.device) -> str:

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from accumix.common.micro_batch_search import candidates
+from accumix.common.safe_write import replace_with
 from accumix.errors import ConfigError
 from accumix.recipes import gpt_jax
 from accumix.recipes.default import (
@@ -238,7 +239,7 @@ def save_weights(acc: Any, state: Any, run_dir: Path, model: GPTConfig) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         flat = gpt_jax.to_torch_keys(full, model)
         tensors = {k: np.ascontiguousarray(v) for k, v in flat.items()}
-        save_file(tensors, str(path), metadata={"format": "pt"})
+        replace_with(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     return path
 
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
+MAX_LAYERS = 10_000
+MAX_PARAMETERS = 10**15
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -57,6 +59,25 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        # Sane sizes: building (even on the meta device) loops over the layers, so a mistyped
+        # count never returned; no model is near either bound.
+        if self.n_layer > MAX_LAYERS:
+            raise ValueError(f"GPTConfig.n_layer must be <= {MAX_LAYERS:,}, got {self.n_layer}")
+        if self.num_parameters() > MAX_PARAMETERS:
+            raise ValueError(f"GPTConfig gives {self.num_parameters():.3g} parameters, more "
+                             f"than {MAX_PARAMETERS:.0e}: make n_layer, n_embd or block_size "
+                             f"smaller (block_size={self.block_size}, n_embd={self.n_embd})")
+
+    def num_parameters(self) -> int:
+        """The parameters a :class:`GPT` of this shape holds (a tied weight once), counted
+        without building it (``GPT.num_parameters(non_embedding=False)``)."""
+        e, bias = self.n_embd, int(self.bias)
+        # A block: attention (3E + E wide) and the MLP (4E, back to E): 12 E^2 weights; two
+        # LayerNorm weights; biases of the four Linears (3E + E + 4E + E) and two LayerNorms.
+        block = 12 * e * e + 2 * e + bias * 11 * e
+        head = 0 if self.tie_weights else self.vocab_size * e
+        return ((self.vocab_size + self.block_size) * e + self.n_layer * block
+                + e * (1 + bias) + head)
 
     @classmethod
     def gpt2_small(cls, *, block_size: int = 1024, dropout: float = 0.0) -> GPTConfig:

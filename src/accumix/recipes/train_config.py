@@ -13,6 +13,7 @@ from accumix.common.locations import is_url
 from accumix.errors import ConfigError
 from accumix.precision.reduce_dtype import check_fp16_reduction, parse_reduce_dtype
 from accumix.precision.words import PRECISION_WORDS
+from accumix.recipes.config_checks import check_init_from
 from accumix.recipes.gpt import GPTConfig
 from accumix.strategies.registry import STRATEGY_WORDS
 
@@ -41,6 +42,12 @@ class DataConfig:
     max_val_bytes: int | None = 60_000
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("max_files", "max_train_bytes", "max_val_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"data.{name}={value} is invalid; use an integer >= 1 or null")
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class OptimizerConfig:
@@ -66,6 +73,26 @@ class OptimizerConfig:
     base_batch_size: int | None = None
     scale_rule: Literal["linear", "sqrt"] = "sqrt"
 
+    def __post_init__(self) -> None:
+        # torch's AdamW would refuse these with a traceback on every rank, after the launch.
+        if self.lr < 0:
+            raise ConfigError(f"optimizer.lr={self.lr} is invalid; use a number >= 0")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay={self.weight_decay} is invalid; use a "
+                              "number >= 0")
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"optimizer.betas={list(self.betas)} is invalid; use two numbers "
+                              "in [0, 1), e.g. [0.9, 0.95]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer.warmup_steps={self.warmup_steps} is invalid; use an "
+                              "integer >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optimizer.min_lr_ratio={self.min_lr_ratio} is invalid; use a "
+                              "number in [0, 1]")
+        if self.base_batch_size is not None and self.base_batch_size < 1:
+            raise ConfigError(f"optimizer.base_batch_size={self.base_batch_size} is invalid; "
+                              "use an integer >= 1 or null")
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class SampleConfig:
@@ -88,6 +115,11 @@ class SampleConfig:
             raise ConfigError("sample.prompt is empty; give at least one character")
         if self.max_new_tokens < 0:
             raise ConfigError(f"sample.max_new_tokens={self.max_new_tokens} is invalid; use >= 0")
+        if self.temperature < 0:
+            raise ConfigError(f"sample.temperature={self.temperature} is invalid; use >= 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"sample.top_k={self.top_k} is invalid; use an integer >= 1 or "
+                              "null")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -180,9 +212,8 @@ class TrainConfig:
         if self.backend == "jax" and self.strategy == "deepspeed":
             raise ConfigError("strategy='deepspeed' is a PyTorch engine; with backend=jax use "
                               "zero1 or fsdp (or backend=torch)")
-        if self.init_from is not None and not Path(self.init_from).is_file():
-            raise ConfigError(f"init_from={self.init_from!r} is not a file; give a "
-                              "model.safetensors written by accumix train")
+        if self.init_from is not None:
+            check_init_from(self.init_from)
         if self.strategy not in STRATEGY_WORDS:
             raise ConfigError(f"strategy={self.strategy!r} is invalid; use one of "
                               f"{', '.join(STRATEGY_WORDS)}")

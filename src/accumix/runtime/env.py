@@ -25,6 +25,7 @@ from accumix.common.engine_env import check_joined
 # Re-exported: the launch variables are read by the torch-free module.
 from accumix.common.launch_env import DEFAULT_PORT, LaunchEnv, detect_launch_env, first_host
 from accumix.errors import ConfigError
+from accumix.runtime import loopback
 
 __all__ = [
     "DEFAULT_PORT", "LaunchEnv", "detect_launch_env", "first_host", "init_process_group",
@@ -90,13 +91,17 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout: float) 
         kwargs["store"] = store
     else:
         kwargs["init_method"] = "env://"
-    dist.init_process_group(
-        backend=backend,
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timedelta(seconds=timeout),
-        **kwargs,
-    )
+    # On a loopback address every rank is on this machine: the group listens there only (rank 0
+    # hosts env://'s store; torchrun's agent hosts its own).
+    with loopback.loopback_group(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 hosts_store=store is None and launch.rank == 0):
+        dist.init_process_group(
+            backend=backend,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout),
+            **kwargs,
+        )
     _created_group = True
     return True
 

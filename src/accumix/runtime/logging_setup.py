@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from accumix.common.redact import RedactingFilter
+
 
 class _RankZero(logging.Filter):
     def __init__(self, rank: int) -> None:
@@ -27,6 +29,7 @@ def configure_logging(rank: int) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler._accumix = True  # type: ignore[attr-defined]
     handler.addFilter(_RankZero(rank))
+    handler.addFilter(RedactingFilter())  # a URI's password never reaches the log
     handler.setFormatter(logging.Formatter("[accumix] %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

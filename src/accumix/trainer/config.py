@@ -7,12 +7,14 @@ would work::
     cfg = load_config(TrainConfig, "job.yaml", ["max_steps=100", "model.n_layer=2"])
 
 Values are read with ``yaml.safe_load`` (never arbitrary objects); override values are YAML too
-(``key=null``, ``key=true``, ``key=[0.9,0.95]``).
+(``key=null``, ``key=true``, ``key=[0.9,0.95]``). A number must be finite (``.nan`` and ``.inf``
+are refused).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -66,6 +68,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
+        if float in options and isinstance(value, float) and not math.isfinite(value):
+            return _coerce(value, float, key)  # its own message: a finite number
         for option in options:  # the first that takes it: int before float keeps 8 an int
             if option is type(None):
                 continue
@@ -105,13 +109,18 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # .nan, .inf: no setting means them
+                raise ConfigError(f"{key}={value!r} is invalid; use a finite number")
+            return number
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

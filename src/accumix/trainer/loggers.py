@@ -26,6 +26,7 @@ from typing import Any
 from typing_extensions import override
 
 from accumix.common.launch_env import process_rank
+from accumix.common.safe_write import make_dir, open_in_place, refuse_link
 from accumix.errors import ConfigError
 
 LOGGER_WORDS = ("csv", "jsonl", "tensorboard", "mlflow", "wandb", "clearml")
@@ -165,7 +166,7 @@ class CSVLogger(FileLogger):
 
     @override
     def _open(self, directory: Path, resume_step: float | None) -> float | None:
-        self.path = directory / self.filename
+        self.path = refuse_link(directory / self.filename)
         self._rows = []
         if resume_step is not None and self.path.exists():
             with self.path.open(newline="") as f:
@@ -178,7 +179,7 @@ class CSVLogger(FileLogger):
         assert self.path is not None
         if self._file is not None:
             self._file.close()
-        self._file = self.path.open("w", newline="")
+        self._file = open_in_place(self.path, "w", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
         if self._columns:
             self._writer.writeheader()
@@ -218,12 +219,12 @@ class JSONLLogger(FileLogger):
 
     @override
     def _open(self, directory: Path, resume_step: float | None) -> float | None:
-        path = directory / self.filename
+        path = refuse_link(directory / self.filename)
         kept: list[str] = []
         if resume_step is not None and path.exists():
             kept = [line for line in path.read_text().splitlines()
                     if line.strip() and row_step(json.loads(line)) <= resume_step]
-        self._file = path.open("w")
+        self._file = open_in_place(path, "w")
         self._file.write("".join(line + "\n" for line in kept))
         self._file.flush()
         return row_step(json.loads(kept[-1])) if kept else None
@@ -243,7 +244,8 @@ class JSONLLogger(FileLogger):
 def read_rows(run_dir: Path, *, after: int, through: int) -> list[dict[str, Any]] | None:
     """The logged rows of steps ``after < step <= through``, from ``metrics.csv`` (numbers
     as numbers, empty cells left out) or else ``metrics.jsonl``; None when neither is there."""
-    csv_path, jsonl_path = Path(run_dir) / "metrics.csv", Path(run_dir) / "metrics.jsonl"
+    csv_path = refuse_link(Path(run_dir) / "metrics.csv")
+    jsonl_path = refuse_link(Path(run_dir) / "metrics.jsonl")
     if csv_path.exists():
         with csv_path.open(newline="") as f:
             rows = [{k: _parse(v) for k, v in r.items() if v not in ("", None)}
@@ -301,7 +303,8 @@ class TensorBoardLogger(FileLogger):
         # purge_step: events of this step and later, written by an earlier attempt, are
         # discarded when TensorBoard reads the directory.
         purge = None if resume_step is None else math.floor(resume_step) + 1
-        self._writer = SummaryWriter(str(directory / self.subdir), purge_step=purge)
+        events = make_dir(directory / self.subdir)  # never a planted link
+        self._writer = SummaryWriter(str(events), purge_step=purge)
         return None
 
     @override

@@ -22,6 +22,7 @@ import os
 import socket
 from pathlib import Path
 
+from accumix.common.safe_write import open_fd
 from accumix.errors import ConfigError
 
 log = logging.getLogger("accumix")
@@ -76,7 +77,8 @@ def lock_run_dir(run_dir: Path) -> RunDirLock | None:
     path = run_dir / LOCK_FILE
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Not through a link planted at .lock (it would be truncated and overwritten below).
+        fd = open_fd(path, read=True, permissions=0o644)
     except OSError as exc:
         raise ConfigError(f"run directory {str(run_dir)!r} cannot be written ({exc.strerror}); "
                           "give a writable one") from None

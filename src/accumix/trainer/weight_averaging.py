@@ -262,6 +262,10 @@ class WeightAveraging(Callback):
 
     def _load_per_rank(self, file: Path) -> None:
         """The per-rank files an earlier accumix wrote (``ema-rank-<r>.pt``)."""
+        from accumix.checkpoint.load_limits import ENTRY_OVERHEAD, check_torch_zip
+
+        check_torch_zip(file, sum(a.numel() * a.element_size() for a in self.average)
+                        + ENTRY_OVERHEAD, str(file))
         try:
             saved = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - missing file, zip errors

@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -29,6 +28,8 @@ from typing import Any
 from typing_extensions import override
 
 from accumix.common.launch_env import process_rank
+from accumix.common.redact import redact, redact_values
+from accumix.common.safe_write import refuse_link, replace_text
 from accumix.errors import ConfigError, Preempted
 from accumix.trainer.loggers import MetricLogger, read_rows
 
@@ -40,7 +41,7 @@ MODEL_FILE = "model.safetensors"
 
 def read_run_ids(run_dir: Path) -> dict[str, Any]:
     """``run_dir/trackers.json`` (``{}`` when absent)."""
-    path = Path(run_dir) / RUN_IDS_FILE
+    path = refuse_link(Path(run_dir) / RUN_IDS_FILE)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -48,10 +49,8 @@ def write_run_id(run_dir: Path, name: str, entry: dict[str, Any]) -> None:
     """Records one tracker's run in ``run_dir/trackers.json`` (atomically: temp file, rename)."""
     ids = read_run_ids(run_dir)
     ids[name] = entry
-    path = Path(run_dir) / RUN_IDS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(ids, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    replace_text(Path(run_dir) / RUN_IDS_FILE, json.dumps(ids, indent=1, sort_keys=True) + "\n",
+                 durable=False)
 
 
 def forget_runs(run_dir: Path) -> None:
@@ -95,8 +94,9 @@ def missing_package(word: str, module: str) -> ConfigError | None:
 
 
 def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, passwords in URIs masked (``redact``)."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    return redact(f"{type(exc).__name__}: {text[0] if text else ''}")
 
 
 def run_outcome(exc: BaseException | None) -> str:
@@ -210,8 +210,8 @@ class TrackerLogger(MetricLogger):
     def log_params(self, params: Mapping[str, Any], *,
                    tags: Mapping[str, str] | None = None) -> None:
         """The run's parameters (nested mappings are flattened with dots) and tags."""
-        if self.active:
-            self._params(flatten(params), dict(tags or {}))
+        if self.active:  # a URI's password never reaches the tracker
+            self._params(redact_values(flatten(params)), redact_values(dict(tags or {})))
 
     @override
     def log(self, row: dict[str, Any]) -> None:

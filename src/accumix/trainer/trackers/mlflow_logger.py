@@ -24,6 +24,8 @@ from typing import Any
 
 from typing_extensions import override
 
+from accumix.common.redact import redact
+from accumix.common.safe_write import refuse_link, replace_text
 from accumix.errors import ConfigError
 from accumix.trainer.trackers.base import TrackerLogger, first_line
 
@@ -72,7 +74,8 @@ class MLflowLogger(TrackerLogger):
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if uri:
             return uri, False
-        return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}", True
+        # A link planted there would make MLflow write into its target.
+        return f"sqlite:///{refuse_link(run_dir / 'mlflow.db').resolve()}", True
 
     def _artifact_location(self, uri: str, local: bool) -> str | None:
         """Where a new experiment keeps its artifacts: beside a SQLite file (MLflow's own
@@ -108,7 +111,8 @@ class MLflowLogger(TrackerLogger):
 
     @staticmethod
     def _location_error(uri: str, exc: BaseException) -> ConfigError:
-        return ConfigError(f"mlflow cannot use the tracking location {uri!r} ({first_line(exc)})"
+        return ConfigError(f"mlflow cannot use the tracking location {redact(uri)!r} "
+                           f"({first_line(exc)})"
                            "; set MLFLOW_TRACKING_URI or tracking_uri= to a writable place or a "
                            "reachable server")
 
@@ -120,9 +124,11 @@ class MLflowLogger(TrackerLogger):
         uri, local = self._uri(self.run_dir)
         if local:  # local means no network: MLflow 3's usage telemetry stays off unless asked
             os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        if saved and saved.get("tracking_uri") not in (None, uri):
+        # trackers.json keeps the location with its password masked (older files: in clear).
+        if saved and redact(str(saved.get("tracking_uri", uri))) != redact(uri):
             log.warning("mlflow: this run directory's run %s is in %s, not %s; starting a new "
-                        "run there", saved["run_id"], saved["tracking_uri"], uri)
+                        "run there", saved["run_id"], redact(str(saved["tracking_uri"])),
+                        redact(uri))
             saved = None
         try:
             self._client = client = MlflowClient(tracking_uri=uri)
@@ -142,7 +148,7 @@ class MLflowLogger(TrackerLogger):
                 run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
         except Exception as exc:  # sqlalchemy, OSError, MlflowException: one line for the user
             raise self._location_error(uri, exc) from None
-        return {"run_id": run_id, "tracking_uri": uri}
+        return {"run_id": run_id, "tracking_uri": redact(uri)}
 
     def _forget_after(self, run_id: str, step: int) -> None:
         """Deletes the run's metric points after ``step`` (the steps a resumed job repeats)
@@ -248,6 +254,6 @@ def _forget_files(store: Any, experiment_id: str, run_id: str, step: int) -> Non
         lines = path.read_text().splitlines(keepends=True)
         kept = [line for line in lines if len(line.split()) < 3 or int(line.split()[2]) <= step]
         if len(kept) != len(lines):
-            tmp = folder.parent / ".accumix-metric.tmp"  # outside metrics/: never a metric
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
+            # The temporary file outside metrics/: never read as a metric.
+            replace_text(path, "".join(kept), durable=False,
+                         tmp=folder.parent / ".accumix-metric.tmp")
