@@ -22,9 +22,12 @@ run: $(STAMP)
 	$(BIN)/accumix train
 
 # tests/docs runs every code block of README.md and docs/ and builds the site strictly.
+# Two workers (pytest-xdist); tests that share a spawned job, a module-scoped fixture or a
+# session's server run on one worker (the xdist groups tests/conftest.py assigns).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
 
 # The docs site into site/ (open site/index.html); --strict: a broken link, anchor or API
 # reference fails the build.
