@@ -41,7 +41,8 @@ _IMPORTS = {h: re.compile(rf"\bimport {h}\b|\b{h} import\b") for h in SESSION_CA
 # Session fixtures that start something: each worker would start its own.
 SESSION_FIXTURES = {"shared_spawn": "shared-spawn", "s3_server": "s3"}
 # One local Ray cluster and one S3 server a session, also for files that use them by name only.
-BY_FILE_NAME = ((re.compile(r"ray"), "ray"), (re.compile(r"s3|remote"), "s3"))
+# ("test_ray_train.py", "test_s3_checkpoints.py", "test_remote_checkpoints.py"; not "array").
+BY_FILE_NAME = ((re.compile(r"(^|_)ray(_|$)"), "ray"), (re.compile(r"(^|_)(s3|remote)(_|$)"), "s3"))
 
 
 def _keys(item: pytest.Item, module: str, source: str) -> set[str]:
@@ -57,7 +58,7 @@ def _keys(item: pytest.Item, module: str, source: str) -> set[str]:
     for name, defs in (fixtures.name2fixturedefs.items() if fixtures else ()):
         if name in SESSION_FIXTURES:
             keys.add(SESSION_FIXTURES[name])
-        elif "ray" in name and defs[-1].scope == "session":
+        elif BY_FILE_NAME[0][0].search(name) and defs[-1].scope == "session":  # ray_cluster
             keys.add("ray")
         elif defs[-1].scope in ("module", "package", "class"):
             keys.add(module)
