@@ -10,6 +10,7 @@ and ``memory_analysis()`` are the same; the in-memory jit cache (which tests cou
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -51,6 +52,69 @@ for _name in [n for n in os.environ if n.startswith(("PET_", "SKYPILOT_")) or n 
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+# `make test` runs `pytest -n 2 --dist loadgroup`: tests without an xdist group go to whichever
+# worker is free; a group runs on one worker. A shared resource that costs a spawn or a server
+# must be made once, so every module that uses it is in its group (below).
+# Helpers whose results are cached for the session and read by several modules (one spawn):
+# a module that imports one shares its group.
+SESSION_CACHES = ("hsdp_jobs", "micro_batch_jobs")
+_IMPORTS = {h: re.compile(rf"\bimport {h}\b|\b{h} import\b") for h in SESSION_CACHES}
+# Session fixtures that start something: each worker would start its own.
+SESSION_FIXTURES = {"shared_spawn": "shared-spawn", "s3_server": "s3"}
+# One local Ray cluster and one S3 server a session, also for files that use them by name only.
+# ("test_ray_train.py", "test_s3_checkpoints.py", "test_remote_checkpoints.py"; not "array").
+BY_FILE_NAME = ((re.compile(r"(^|_)ray(_|$)"), "ray"), (re.compile(r"(^|_)(s3|remote)(_|$)"), "s3"))
+
+
+def _keys(item: pytest.Item, module: str, source: str) -> set[str]:
+    """What ``item`` shares with other tests: resource names, or its module's path when it
+    uses a module-scoped fixture (which a second worker would build again)."""
+    keys = {helper for helper, imports in _IMPORTS.items() if imports.search(source)}
+    stem = item.path.stem
+    if stem.startswith("test_"):
+        keys |= {key for pattern, key in BY_FILE_NAME if pattern.search(stem[5:])}
+    if hasattr(getattr(item, "module", None), "shared_job"):
+        keys.add("shared-spawn")
+    fixtures = getattr(item, "_fixtureinfo", None)
+    for name, defs in (fixtures.name2fixturedefs.items() if fixtures else ()):
+        if name in SESSION_FIXTURES:
+            keys.add(SESSION_FIXTURES[name])
+        elif BY_FILE_NAME[0][0].search(name) and defs[-1].scope == "session":  # ray_cluster
+            keys.add("ray")
+        elif defs[-1].scope in ("module", "package", "class"):
+            keys.add(module)
+    return keys
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One ``xdist_group`` per test: modules that share a key (a resource, a cached spawn,
+    module-scoped fixtures) are joined, so each resource is made once, on one worker."""
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    def union(a: str, b: str) -> None:
+        a, b = find(a), find(b)
+        if a != b:  # a resource's name names the group rather than a module's path
+            a, b = sorted((a, b), key=lambda k: (k.startswith("tests/"), k))
+            parent[b] = a
+
+    sources: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.partition("::")[0]
+        if module not in sources:
+            sources[module] = item.path.read_text() if item.path.suffix == ".py" else ""
+        for key in _keys(item, module, sources[module]):
+            union(module, key)
+    for item in items:
+        module = item.nodeid.partition("::")[0]
+        if module in parent:
+            item.add_marker(pytest.mark.xdist_group(find(module)))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
