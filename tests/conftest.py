@@ -117,6 +117,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(find(module)))
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's worker renamed each grouped test
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Stops a ``--dist loadgroup`` run whose groups xdist did not apply (pytest 9.2 ignores
+    xdist 3.8's renaming): every shared job would then run once per worker."""
+    if not session.config.getvalue("loadgroup"):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rpartition("]")[2]:
+            raise pytest.UsageError(
+                f"pytest-xdist did not group {item.nodeid} (pytest {pytest.__version__}): "
+                "install the dev extra's pytest (pip install -e '.[dev]')")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _JAX_CACHE is not None:
         shutil.rmtree(_JAX_CACHE, ignore_errors=True)
@@ -148,9 +161,11 @@ RAY_TRAIN_ENV = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[dict[str, str]]:
-    """One local Ray cluster for the whole session: 2 CPUs, every service on loopback.
+    """One local Ray cluster for the session's Ray Train tests (one module: its scope ends the
+    cluster when they are done, rather than leaving Ray's daemons polling on 2 cores for the
+    rest of the session): 2 CPUs, every service on loopback.
 
     Yields the variables a test sets while it calls ``fit()`` (``RAY_TRAIN_ENV``). Skipped,
     with the reason, only when ray is not importable.
