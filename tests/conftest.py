@@ -121,7 +121,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Stops a ``--dist loadgroup`` run whose groups xdist did not apply (pytest 9.2 ignores
     xdist 3.8's renaming): every shared job would then run once per worker."""
-    if not session.config.getvalue("loadgroup"):
+    if not getattr(session.config.option, "loadgroup", False):  # set on xdist workers only
         return
     for item in session.items:
         if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rpartition("]")[2]:

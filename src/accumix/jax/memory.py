@@ -29,9 +29,10 @@ against ``memory_analysis()`` with ``tests/scripts/jax_fsdp_memory.py`` (2 and 8
 4 devices, every precision) and read off XLA's buffer assignment (``--xla_dump_to``):
 
 (a) in flight: one leaf's float32 gradient before it joins its accumulator. fsdp: always (on
-    its way to the reduce-scatter); ddp: bf16-true only (its bf16 gradient cast; single's fuses
-    with the accumulate since its masked add, issue 30); under a mixed policy the cast fuses
-    with the accumulate (measured, within 1% without it).
+    its way to the reduce-scatter); single and ddp: bf16-true only (its bf16 gradient cast;
+    single's fused with the accumulate from issue 30 until the step weighed each micro-step's
+    gradient by its share, issue 38: measured equal to ddp's since); under a mixed policy the
+    cast fuses with the accumulate (measured, within 1% without it).
 (b) gathered: ``accumix.jax.per_use`` gathers each leaf at each use and re-gathers it in that
     use's backward, so one leaf's gathered copy (the largest sharded leaf) is alive at a time.
     fp32 (and fp16-mixed with sync_each_microstep, whose skip keeps both): (g+c')*max(n)
@@ -192,9 +193,10 @@ def estimate_jax_memory(params: Any, optimizer: Any = None, *, num_devices: int,
         params_bytes = p * (shard if fsdp else full) + carried_rest
         optimizer_bytes = opt_full if name in ("single", "ddp") else opt_shard
         # One leaf's float32 gradient in flight before it joins its accumulator (measured):
-        # fsdp's, on its way to the reduce-scatter; bf16-true's cast on ddp. Under a mixed
-        # policy (and on single) the cast fuses with the accumulate (within 1%).
-        in_flight = 4 * largest if (fsdp or (c != 4 and not mixed and name == "ddp")) else 0
+        # fsdp's, on its way to the reduce-scatter; bf16-true's cast on single and ddp. Under
+        # a mixed policy the cast fuses with the accumulate (within 1%).
+        in_flight = 4 * largest if (fsdp or (c != 4 and not mixed and name in ("single", "ddp"))
+                                    ) else 0
         if name == "fsdp-sync":
             grads = 4 * shard + in_flight
         elif fsdp:  # the window's reduce-scatter writes over the accumulators
