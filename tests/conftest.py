@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,6 +185,9 @@ def ray_cluster() -> Iterator[dict[str, str]]:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     os.environ.update(RAY_TRAIN_ENV)
+    # ray.init installs its own SIGTERM/SIGINT handlers in this process and shutdown leaves
+    # them: put back what was there, so later tests in this worker see their process as it was.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         # address="local": a new cluster of this session's own, never one found through
         # RAY_ADDRESS or `ray start`'s /tmp/ray/ray_current_cluster (another session's).
@@ -194,6 +198,8 @@ def ray_cluster() -> Iterator[dict[str, str]]:
         os.environ.update(saved)
     yield dict(RAY_TRAIN_ENV)
     ray.shutdown()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(params=[False, True], ids=["emulated-bf16", "native-bf16"])

@@ -133,12 +133,14 @@ def test_jax_steps_take_the_trainers_signals() -> None:
     from accumix.trainer.jax_steps import JaxSteps
     from tests import jax_workloads as w
 
+    # Whatever held SIGTERM before (ray.init in this worker installs its own) holds it after.
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
     acc = axj.Accelerator(strategy="ddp", precision="fp32", grad_accum_steps=1)
     steps = JaxSteps(accelerator=acc, state=acc.setup(w.init_params(), w.optimizer()),
                      train_windows=None, loss_fn=w.item_loss)
     steps.watch_preemption(SimpleNamespace(preemption_signals=(signal.SIGUSR1,)))
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the steps' own put back
+    assert signal.getsignal(signal.SIGTERM) is before[0]  # the steps' own put back
     os.kill(os.getpid(), signal.SIGUSR1)
     assert steps._agree(1, 0.0)[0]
     steps.close()
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGUSR1) is before[1]
