@@ -34,10 +34,13 @@ run: $(STAMP)
 # tests/docs runs every code block of README.md and docs/ and builds the site strictly.
 # Two workers (pytest-xdist); tests that share a spawned job, a module-scoped fixture or a
 # session's server run on one worker (the xdist groups tests/conftest.py assigns).
+# PYTHONDONTWRITEBYTECODE emptied: a machine that sets it (ours do) would have every process
+# the suite starts (ranks, launchers, Ray's workers) compile jax, ray, mlflow, ... from source
+# again (uv installs no .pyc): 2-4 s of CPU each. Written once, into .venv and __pycache__/.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
 
 # The docs site into site/ (open site/index.html); --strict: a broken link, anchor or API
 # reference fails the build.

@@ -17,8 +17,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.xla_flags import xla_flags
+
 # Two CPU devices for accumix.jax's multi-device tests; must be set before jax is imported.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("XLA_FLAGS", xla_flags(2))  # and a faster compile (tests/xla_flags.py)
 # Ray resolves 127.0.0.1 to the machine's public address (when imported) unless told that no
 # other node will join (the variable speaks of Windows and macOS; it means "one node"): the
 # session's Ray cluster then serves on loopback only.

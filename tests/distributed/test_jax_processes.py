@@ -20,6 +20,7 @@ import pytest
 
 from accumix.testing import free_port
 from tests.golden import matches_golden
+from tests.xla_flags import xla_flags
 
 pytest.importorskip("jax")
 
@@ -34,7 +35,7 @@ def _env(devices: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(extra or {})
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 

@@ -19,6 +19,7 @@ pytest.importorskip("ray.train", reason="ray[train] is not installed: pip instal
 from examples import ray_train as example  # noqa: E402
 
 from tests import ray_jobs  # noqa: E402
+from tests.golden import matches_golden  # noqa: E402
 
 
 def _facts(out: Path) -> dict[tuple[int, int], dict[str, Any]]:
@@ -143,12 +144,14 @@ def test_jax_trainer_on_cpu_is_one_job_exact_as_accumix_launch_and_resumes(
     for rank in range(2):
         assert facts[0, rank]["launch"] == ["ray", 2, rank, 2, 4]
     # The params of `accumix launch --nproc 2` on the same job (tests/distributed/
-    # test_jax_processes.py checks them against this golden file), bit for bit.
+    # test_jax_processes.py checks them against this golden file), within another CPU's rounding.
     golden = json.loads((Path(__file__).resolve().parents[1] / "golden" / "pre_jax33" /
                          "uneven_strategy_params.json").read_text())
     for rank in range(2):
         for name in ("ddp", "fsdp"):
-            assert facts[0, rank][f"golden_{name}"] == golden[name], (rank, name)
+            got = facts[0, rank][f"golden_{name}"]  # recorded on another CPU (tests/golden)
+            assert got.keys() == golden[name].keys() and all(
+                matches_golden(golden[name][k], got[k]) for k in got), (rank, name)
     # Saved at step 2, every copy of the run directory lost, a worker failed: both resume at
     # step 2 from Ray's copy and end bit for bit where the run without failures ended.
     for rank in range(2):

@@ -185,6 +185,8 @@ def test_a_job_preempted_then_killed_then_resumed_on_one_process_keeps_one_histo
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(w) for w in workers), "the workers outlived their launcher"
+        # The rows logged up to the kill (under load the job logs on past the one waited for).
+        last = max(_csv_losses(run_dir))
         # The job is resumed from an earlier checkpoint than the rows it logged: a crash
         # after those rows were logged, before their checkpoint.
         resume = max(s for s in range(preempted + 1, last) if s % 2 == 0)

@@ -21,6 +21,7 @@ pytest.importorskip("jax")
 pytest.importorskip("optax")
 
 from tests.unit.test_bench_smoke import parse_table  # noqa: E402
+from tests.xla_flags import FAST_COMPILE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
@@ -34,7 +35,7 @@ ROWS = ["accumix.jax", "optax MultiSteps", "Keras 3 gradient_accumulation_steps"
 
 def test_jax_accum_table() -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = FAST_COMPILE  # a smoke run: the table's shape, not its speed
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "bench/jax_accum.py", "--tiny"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)

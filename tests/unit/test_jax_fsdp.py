@@ -21,6 +21,7 @@ from accumix.errors import ConfigError  # noqa: E402
 from accumix.jax.hlo import collective_counts  # noqa: E402
 from tests import jax_workloads as w  # noqa: E402
 from tests.scripts import jax_fsdp_memory as job  # noqa: E402
+from tests.xla_flags import xla_flags  # noqa: E402
 
 K = 4
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,7 +176,7 @@ def _measure_in_parallel(jobs: list[str], tmp_path: Path) -> dict:
     """``tests/scripts/jax_fsdp_memory.py`` on 4 host devices, the jobs split over two
     processes that compile side by side (one XLA compile keeps one core busy; CI has two): the
     flax GPT's rows in one, the rest in the other (about equal compile times)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4),
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     groups = [[j for j in jobs if j.endswith("/gpt")],
               [j for j in jobs if not j.endswith("/gpt")]]

@@ -30,6 +30,7 @@ from accumix.errors import ConfigError  # noqa: E402
 from accumix.jax.hlo import collective_ops  # noqa: E402
 from accumix.jax.memory import estimate_jax_memory, first_fitting  # noqa: E402
 from accumix.jax.wire import Wire  # noqa: E402
+from tests.xla_flags import xla_flags  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ def _float_across(placement: dict) -> list:
 
 
 def test_hsdp_and_reduce_dtype_on_two_simulated_nodes(tmp_path: Path) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4),
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     done = subprocess.run([sys.executable, "tests/scripts/jax_hsdp.py", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

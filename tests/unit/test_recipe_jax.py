@@ -14,6 +14,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 from accumix.cli.main import main  # noqa: E402
+from tests.xla_flags import xla_flags  # noqa: E402
 
 TINY = ["eval_every=2", "checkpoint_every=2", "model.n_layer=1", "model.n_embd=32",
         "model.n_head=2", "model.block_size=32", "data.max_files=8", "data.max_val_bytes=2000",
@@ -280,6 +281,7 @@ def test_auto_elastic_restart_on_two_processes_chooses_again(tmp_path) -> None:
     tiny = [a for a in TINY if not a.startswith(("micro_batch_size", "nproc", "sample"))]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "XLA_FLAGS")}
+    env["XLA_FLAGS"] = xla_flags()  # one host device per process, the suite's faster compile
     lines = []
     for steps, nproc in ((1, 1), (2, 2)):
         done = subprocess.run(
