@@ -32,8 +32,9 @@ import os
 import tempfile
 
 DUMP = tempfile.mkdtemp(prefix="accumix-xla-dump-")
-os.environ["XLA_FLAGS"] = (
-    "--xla_force_host_platform_device_count=4 --xla_dump_hlo_as_text "
+os.environ["XLA_FLAGS"] = (  # after the caller's own flags
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4 "
+    "--xla_dump_hlo_as_text "
     f"--xla_dump_to={DUMP} --xla_dump_hlo_module_re=^jit_(step|plain_grad)$")
 
 import argparse  # noqa: E402

@@ -6,7 +6,7 @@
   relative weight error <= 1e-6; bf16's <= 1e-2, not growing with K (K=16 within 2x of K=1),
   since the window is summed in float32 and rounds to bf16 once per step. Also measured against
   the training's own movement (``update``), the stricter ratio: weights move little in 10 steps.
-  hsdp (bf16, K = 1 and 16) too.
+  hsdp (bf16, K = 1 and 8; K=16 cost each of the 4 ranks 6 s of CPU) too.
 * fp16 on the wire with ``(loss_sum, num_items)``: no step skipped where the same loss as a
   mean skips none, the same weights (ddp, fsdp, hsdp; issue 38).
 * hsdp: the default reduction bitwise the code's before (``tests/golden``); bf16 halves the
@@ -35,7 +35,7 @@ from tests.golden import matches_golden
 from tests.golden.pre_reduce33 import make as golden
 
 CASES = (("ddp", "fp32", 1), ("ddp", "fp32", 16), ("ddp", "bf16", 1), ("ddp", "bf16", 4),
-         ("ddp", "bf16", 16), ("hsdp", "bf16", 1), ("hsdp", "bf16", 16))
+         ("ddp", "bf16", 16), ("hsdp", "bf16", 1), ("hsdp", "bf16", 8))
 HSDP = {"hsdp": ax.HSDPStrategy, "hsdp_defer": lambda: ax.HSDPStrategy(defer_reduce_scatter=True)}
 
 
@@ -108,7 +108,7 @@ def test_reduction_error_and_hsdp_on_two_nodes(tmp_path_factory: pytest.TempPath
     for k in (1, 16):
         fp32 = runs[f"ddp-fp32-{k}"]
         assert fp32["weights"] <= 1e-6 and fp32["update"] <= 1e-4, fp32
-    for word, ks in (("ddp", (1, 4, 16)), ("hsdp", (1, 16))):
+    for word, ks in (("ddp", (1, 4, 16)), ("hsdp", (1, 8))):
         bf16 = {k: runs[f"{word}-bf16-{k}"] for k in ks}
         for k, run in bf16.items():
             assert run["weights"] <= 1e-2 and run["update"] <= 1e-2, (word, k, run)

@@ -18,6 +18,7 @@ import csv
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,12 @@ class SignalLauncher(Callback):
         if (trainer.accelerator.rank == 1 and trainer.step == self.step
                 and trainer.micro_step == 1):
             os.kill(os.getppid(), signal.SIGUSR1)
+            # Until the launcher's forwarded signal reached this rank: on a loaded machine it
+            # could otherwise come after step 6's boundary (the save then at step 7).
+            watch = trainer.accelerator._run.preemption._watch
+            deadline = time.monotonic() + 60
+            while not watch.signalled and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 def fit(run_dir: Path, callbacks: list[Callback], **kwargs: Any) -> tuple[Trainer, list]:

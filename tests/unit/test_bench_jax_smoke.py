@@ -71,6 +71,7 @@ def test_jax_fsdp_peak_breakdown_adds_up() -> None:
     import re
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = FAST_COMPILE  # buffer assignment, and so the dump, is the same
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "bench/jax_fsdp_peak.py", "--layers", "2",
                            "--strategies", "fsdp", "fsdp-sync"], cwd=ROOT, env=env,
