@@ -36,6 +36,7 @@ from accumix.checkpoint import meta as checkpoint_meta
 from accumix.checkpoint.plain_values import numpy_floats, plain
 from accumix.common import ray_checkpoint, shared_dir
 from accumix.common import run_dir as layout
+from accumix.common.agreed_failure import run_and_agree
 from accumix.common.locations import AnyPath, RemotePath, location
 from accumix.common.shared_dir import NodeLayout
 from accumix.errors import AccumixError, CheckpointError, ConfigError
@@ -283,24 +284,17 @@ def _agree(run: RunState, fn: Callable[[], None] | None, what: str, *,
     """Runs ``fn`` here, then every rank learns whether any rank failed (no rank left waiting
     in a collective the failed one never reaches). ``background``: in the background thread,
     over its ``group`` (no watchdog phases there: the watchdog follows the loop)."""
-    error = None
-    if fn is not None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = f"{type(exc).__name__}: {exc}"
-    if not background:
-        with fault.phase(run, f"acc.save_state, {what}"):
-            errors = run.strategy.all_gather_object(error)
-    elif group is None:  # one process
-        errors = [error]
-    else:
-        errors = [None] * run.world_size
+    def gather(error: str | None) -> list[str | None]:
+        if not background:
+            with fault.phase(run, f"acc.save_state, {what}"):
+                return run.strategy.all_gather_object(error)
+        if group is None:  # one process
+            return [error]
+        errors: list[str | None] = [None] * run.world_size
         dist.all_gather_object(errors, error, group=group)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
+        return errors
+
+    run_and_agree(gather, fn, what)
 
 
 def reset_unstepped(optimizers: list[Optimizer], empty: list[bool]) -> None:

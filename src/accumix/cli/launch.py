@@ -26,7 +26,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -327,7 +326,7 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
     try:
         # On loopback the store, gloo and NCCL listen there only (runtime/loopback.py).
         with (jax_coordinator_port(plan), forwarding_warning_signals(),
-              _ranks_environment(plan), preemption_reports(reports),
+              _ranks_environment(plan), preemption_report.collect(reports),
               loopback_launch(plan.master_addr, plan.master_port,
                               hosts_store=plan.node_rank == 0)):
             run(parse_args(torchrun_args(plan, target, target_args, module=module)))
@@ -347,23 +346,6 @@ def run_torchrun(plan: LaunchPlan, target: str, target_args: Sequence[str], *,
             print(line, flush=True)
         return status
     return 0
-
-
-@contextlib.contextmanager
-def preemption_reports(reports: list[preemption_report.Report]) -> Iterator[None]:
-    """Names a directory to the ranks for their pre-emption reports (``preemption_report``)
-    while they run, then appends what they wrote to ``reports``."""
-    previous = os.environ.get(preemption_report.ENV)
-    with tempfile.TemporaryDirectory(prefix="accumix-launch-") as directory:
-        os.environ[preemption_report.ENV] = directory
-        try:
-            yield
-        finally:
-            reports.append(preemption_report.read(directory))
-            if previous is None:
-                del os.environ[preemption_report.ENV]
-            else:
-                os.environ[preemption_report.ENV] = previous
 
 
 def signalled_status(signum: int, nproc: int, report: preemption_report.Report

@@ -12,7 +12,10 @@ launcher reads it before any rank has imported anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,3 +78,20 @@ def read(directory: str | os.PathLike[str]) -> Report:
         elif kind == "saved":
             saved[int(rank)] = entry.read_text()
     return Report(armed=frozenset(armed), saved=saved)
+
+
+@contextlib.contextmanager
+def collect(reports: list[Report]) -> Iterator[None]:
+    """Names a directory to the ranks for their reports (``ENV``) while they run, then appends
+    what they wrote to ``reports`` (the launcher's side)."""
+    previous = os.environ.get(ENV)
+    with tempfile.TemporaryDirectory(prefix="accumix-launch-") as directory:
+        os.environ[ENV] = directory
+        try:
+            yield
+        finally:
+            reports.append(read(directory))
+            if previous is None:
+                del os.environ[ENV]
+            else:
+                os.environ[ENV] = previous

@@ -38,13 +38,13 @@ import os
 import posixpath
 import re
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from accumix.common import ray_train
 from accumix.common import run_dir as layout
+from accumix.common.agreed_failure import Gather, run_and_agree
 from accumix.common.locations import AnyPath, RemotePath
 from accumix.errors import CheckpointError, ConfigError
 
@@ -55,8 +55,6 @@ RUN_FILE = "accumix-ray.json"  # in each checkpoint handed to Ray: where it came
 NAME = re.compile(r"^step-(\d+)(?:-\d+)?$")  # Ray's checkpoint names (a repeat save: step-N-k)
 UPLOAD_MODES = ("sync", "async")
 KEEP_NAMES = 3  # records per run directory: the newest complete one is the resume point
-
-Gather = Callable[[Any], list[Any]]  # all_gather_object: collective, rank order
 
 _saved: set[str] = set()  # run directories this process handed a checkpoint of to Ray
 _cleaned: set[str] = set()  # run directories whose stale links of this rank were removed
@@ -163,7 +161,7 @@ def hand_over(run_dir: Path, step_dir: Path, *, rank: int, gather: Gather,
                 "files": files})
             name = _free_name(step_dir.name)
 
-    _agreed(gather, prepare, f"linking {step_dir}'s files for Ray")
+    run_and_agree(gather, prepare, f"linking {step_dir}'s files for Ray")
     checkpoint = Checkpoint.from_directory(str(link)) if link.is_dir() else None
 
     def report() -> None:
@@ -172,7 +170,7 @@ def hand_over(run_dir: Path, step_dir: Path, *, rank: int, gather: Gather,
                          checkpoint_upload_mode=CheckpointUploadMode[mode.upper()],
                          delete_local_checkpoint_after_upload=True)
 
-    _agreed(gather, report, f"handing {step_dir} to Ray Train")
+    run_and_agree(gather, report, f"handing {step_dir} to Ray Train")
     _saved.add(str(run_dir))
     if rank == 0:
         try:
@@ -230,20 +228,6 @@ def _link(source: Path, target: Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
-
-
-def _agreed(gather: Gather, fn: Callable[[], None] | None, what: str) -> None:
-    """Runs ``fn`` here, then every rank learns whether any rank failed."""
-    error = None
-    if fn is not None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = f"{type(exc).__name__}: {exc}"
-    failed = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
 
 
 def _storage() -> tuple[Any, str]:
