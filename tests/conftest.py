@@ -198,10 +198,12 @@ def ray_cluster() -> Iterator[dict[str, str]]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    yield dict(RAY_TRAIN_ENV)
-    ray.shutdown()
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
+    try:
+        yield dict(RAY_TRAIN_ENV)
+    finally:
+        ray.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(params=[False, True], ids=["emulated-bf16", "native-bf16"])

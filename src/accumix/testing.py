@@ -10,6 +10,7 @@ per-node variables torchrun's agent on its node would set (``LOCAL_RANK``,
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -409,7 +410,13 @@ def relative_errors(got: torch.Tensor, first: torch.Tensor, exact: torch.Tensor
             "update": distance / (exact - first).norm().item()}
 
 
-_REFERENCES: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+@functools.cache
+def _float64_reference(steps: int, batch: int, lr: float, momentum: float, seed: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference_weights`` of ``token_batches(steps, batch, seed=seed)``: the same for every
+    strategy, dtype and K of ``reduction_error_job``, so computed once per process."""
+    return reference_weights(token_batches(steps, batch, seed=seed), lr=lr, momentum=momentum,
+                             seed=seed)
 
 
 def reduction_error_job(strategy: Any, *, reduce_dtype: str | None, precision: str,
@@ -463,11 +470,7 @@ def reduction_error_job(strategy: Any, *, reduce_dtype: str | None, precision: s
                            "effective": acc.effective_dtypes.describe()}
     state = acc.strategy.full_state_dict(model)
     if acc.rank == 0:
-        # The float64 run of these batches is the same for every strategy, dtype and K: once.
-        key = (steps, per_rank * world, lr, momentum, seed)
-        if key not in _REFERENCES:
-            _REFERENCES[key] = reference_weights(batches, lr=lr, momentum=momentum, seed=seed)
-        first, exact = _REFERENCES[key]
+        first, exact = _float64_reference(steps, per_rank * world, lr, momentum, seed)
         out.update(relative_errors(flat_weights(state), first, exact), steps=acc.optimizer_steps)
     acc.end()
     return out
